@@ -1,0 +1,33 @@
+# One-command set-up: every target creates .venv and installs what it needs.
+# torch is pinned first: a bare `torch` requirement with no torch installed would pull a
+# multi-GB CUDA build, while torch==2.13.0 takes the CPU build.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test demo bench explain test-compat clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	$(VPY) -m pip install -q --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(VPY) -m torchsync_pass.explain examples/diffusion_loop.py
+
+bench: $(STAMP)
+	$(VPY) benchmarks/ab.py
+
+test-compat:
+	bash benchmarks/compat.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,75 @@
+"""torchsync_pass: remove request-invariant host syncs from per-step loops under torch.compile.
+
+    step = torch.compile(step, backend="nosync")
+    with torchsync_pass.count_syncs() as c:
+        step(x, t, token_types)
+    c.total, c.by_site
+
+Importing this package is cheap: the backend, the Dynamo hooks and the profiler-based counter are
+loaded on first use. The backend name ``nosync`` is registered through the
+``torch_dynamo_backends`` entry point when the package is installed, and directly at import
+otherwise (see ``_ensure_registered``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .report import Action, Decision, Reason, SiteKey, decisions
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "count_syncs": "counting",
+    "SyncCounts": "counting",
+    "verify_loop": "verify",
+    "LoopReport": "verify",
+    "VerificationError": "errors",
+    "NosyncError": "errors",
+    "NosyncOptionsError": "errors",
+    "nosync": "backend",
+    "NosyncBackend": "backend",
+    "reset": "backend",
+}
+
+__all__ = ["Action", "Decision", "Reason", "SiteKey", "decisions", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'torchsync_pass' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def _entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    try:
+        return "nosync" in entry_points(group="torch_dynamo_backends").names
+    except Exception:  # pragma: no cover - broken metadata
+        return False
+
+
+def _ensure_registered() -> None:
+    """Make ``torch.compile(backend="nosync")`` work in both import orders.
+
+    NOTE: when Dynamo resolves "nosync" through the entry point it imports this package and then
+    calls ``register_backend(name="nosync")`` itself; registering here as well would make that call
+    fail with ``duplicate name: nosync``. So register only when no entry point will do it (a source
+    checkout that was not pip-installed) and the name is not already known.
+    """
+    if _entry_point_installed():
+        return
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "nosync" not in _COMPILER_FNS:
+        from .backend import nosync
+
+        register_backend(nosync, name="nosync")
+
+
+_ensure_registered()

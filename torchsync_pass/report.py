@@ -1,0 +1,133 @@
+"""Records of what torchsync_pass saw and decided.
+
+Every decision the nosync backend takes about a sync site (hoisted, rejected, demoted) is a frozen
+dataclass with an Enum reason. The explain CLI, the ``TORCH_LOGS=nosync`` log, the counters and the
+tests all read these same records, so none of them parses log text.
+
+This module is pure Python (no torch import) so the CLI can render reports cheaply.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import linecache
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+
+@dataclass(frozen=True, order=True)
+class SiteKey:
+    """A user source location: the file as the program ran it and a 1-based line."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def source(self) -> str:
+        return linecache.getline(self.file, self.line).strip()
+
+
+class Action(enum.Enum):
+    HOISTED = "hoisted"
+    REJECTED = "rejected"
+    DEMOTED = "demoted"
+
+
+class Reason(enum.Enum):
+    # HOISTED
+    INVARIANT_CONE = "every leaf is request-invariant and the cone is pure"
+    # REJECTED
+    NO_TENSOR_LEAF = "the value does not come from a tensor the pass can trace back"
+    NON_INVARIANT_LEAF = "depends on a tensor that is not request-invariant"
+    CONSTANT_LEAF = "depends on a tensor created inside the step (no input leaf to guard on)"
+    IMPURE_OP = "the cone contains a random or side-effecting op"
+    MUTATION = "a leaf (or a view of it) is written in place before the sync"
+    SUBGRAPH = "the value is computed inside a higher-order op subgraph"
+    SYMBOLIC = "the cone depends on symbolic sizes (dynamic shapes)"
+    NO_SOURCE = "a leaf has no guardable source (created inside the step)"
+    INFERENCE_TENSOR = "an inference tensor has no _version; declare it in options['invariant'] to hoist"
+    UNSUPPORTED_VALUE = "the value has a dtype or shape the pass does not hoist"
+    EVAL_FAILED = "evaluating the cone at trace time failed"
+    NOT_ROOT_TRACER = "the sync sits in a nested tracer (e.g. a torch.cond branch)"
+    DISABLED = "the site was demoted earlier and is left to stock Dynamo"
+    # DEMOTED
+    TOO_MANY_VALUES = "the value took more distinct values than max_specializations"
+    LEAVES_CHANGE = "its leaves change identity on most calls"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision of the nosync backend about one sync site."""
+
+    site: SiteKey
+    kind: str  # "item", "tolist", "bool", "int", "float"
+    action: Action
+    reason: Reason
+    code: str  # qualified name of the compiled function's code object
+    source: str = ""
+    detail: str = ""
+    value: str = ""  # repr of the hoisted value, when hoisted
+    leaves: tuple[str, ...] = ()  # guard sources of the cone leaves
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["site"] = {"file": self.site.file, "line": self.site.line}
+        d["action"] = self.action.value
+        d["reason"] = self.reason.name
+        d["reason_text"] = self.reason.value
+        return d
+
+    def describe(self) -> str:
+        src = self.source or self.site.source()
+        what = f"{self.site}: {src}" if src else str(self.site)
+        tail = f" ({self.detail})" if self.detail else ""
+        val = f" = {self.value}" if self.value else ""
+        return f"{what}\n    {self.action.value} {self.kind}{val}: {self.reason.value}{tail}"
+
+
+@dataclass
+class DecisionLog:
+    """Process-wide list of decisions, in the order they were taken (thread-safe)."""
+
+    _items: list[Decision] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, d: Decision) -> None:
+        with self._lock:
+            self._items.append(d)
+
+    def all(self) -> list[Decision]:
+        with self._lock:
+            return list(self._items)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+    def latest_by_site(self) -> dict[SiteKey, Decision]:
+        """The last decision for each site (what holds now)."""
+        out: dict[SiteKey, Decision] = {}
+        for d in self.all():
+            out[d.site] = d
+        return out
+
+
+DECISIONS = DecisionLog()
+
+
+def decisions() -> list[Decision]:
+    """All nosync decisions taken in this process so far."""
+    return DECISIONS.all()
+
+
+def render_decisions(items: Iterable[Decision]) -> str:
+    lines = [d.describe() for d in items]
+    return "\n".join(lines) if lines else "(no nosync decisions)"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=False, default=str)
