@@ -1,10 +1,246 @@
-"""PLACEHOLDER: the nosync backend is being written (issue 3). Falls back to Inductor."""
+"""The ``nosync`` torch.compile backend.
+
+    step = torch.compile(step, backend="nosync", options={"codegen": "inductor"})
+
+Dynamo calls a backend only after it has split the frame at every sync, so the sync removal itself
+happens earlier, inside Dynamo's tracing (:mod:`torchsync_pass.dynamo_hooks` asks
+:func:`torchsync_pass.guards.decide` at each sync). By the time :func:`nosync` runs, every
+request-invariant sync of the frame is already a guarded constant and the graph is whole; this
+module validates the options, hands the graph to Inductor (or runs it as the FX graph itself with
+``codegen="eager"``, which is bitwise identical to eager), optionally verifies the compiled
+artifact bitwise against the FX graph, and falls back to stock behaviour with a warning when
+something fails (``strict=True`` raises instead).
+"""
+
+from __future__ import annotations
+
 import logging
-log = logging.getLogger(__name__)
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
-def nosync(gm, example_inputs, **kwargs):
+import torch
+
+from . import dynamo_hooks, guards
+from .errors import NosyncError, NosyncOptionsError
+from .report import DECISIONS, Action
+
+log = logging.getLogger("torchsync_pass")
+
+CODEGENS = ("inductor", "eager")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Validated ``options=`` of ``torch.compile(backend="nosync")``."""
+
+    invariant: tuple[str, ...] = ()
+    codegen: str = "inductor"
+    verify: bool = False
+    max_specializations: int = 4
+    strict: bool = False
+    cudagraphs: bool = False
+
+    @classmethod
+    def from_dict(cls, options: Optional[dict]) -> "Options":
+        if options is None:
+            return cls()
+        if isinstance(options, Options):
+            return options
+        if not isinstance(options, dict):
+            raise NosyncOptionsError(
+                f"nosync: options must be a dict, got {type(options).__name__}"
+            )
+        valid = {f: cls.__dataclass_fields__[f] for f in cls.__dataclass_fields__}
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise NosyncOptionsError(
+                f"nosync: unknown option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options are: {', '.join(valid)}"
+            )
+        kw: dict[str, Any] = {}
+        for name, value in options.items():
+            kw[name] = _check(name, value)
+        return cls(**kw)
+
+
+def _check(name: str, value: Any) -> Any:
+    def bad(expected: str) -> NosyncOptionsError:
+        return NosyncOptionsError(
+            f"nosync: options[{name!r}] must be {expected}, got {value!r} ({type(value).__name__})"
+        )
+
+    if name == "invariant":
+        if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+            raise bad("a list of input names such as ['token_types', 'self.mask']")
+        if not all(isinstance(v, str) and v for v in value):
+            raise bad("a list of non-empty strings")
+        return tuple(value)
+    if name == "codegen":
+        if value not in CODEGENS:
+            raise bad(" or ".join(repr(c) for c in CODEGENS))
+        return value
+    if name in ("verify", "strict", "cudagraphs"):
+        if not isinstance(value, bool):
+            raise bad("True or False")
+        return value
+    if name == "max_specializations":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad("an int >= 1")
+        return value
+    raise AssertionError(name)
+
+
+def _policy(site: dynamo_hooks.SyncSite) -> tuple[bool, Any]:
+    opts = Options.from_dict(site.options)
+    try:
+        return guards.decide(site, opts)
+    except NosyncError:
+        raise
+    except Exception:
+        if opts.strict:
+            raise
+        log.warning("nosync: could not analyse the sync at %s:%s; leaving it to Dynamo",
+                    site.file, site.line, exc_info=True)
+        return False, None
+
+
+def _is_nosync(fn: Any) -> bool:
+    return fn is nosync or isinstance(fn, NosyncBackend)
+
+
+def _ensure_hooks() -> bool:
+    return dynamo_hooks.install(_policy, _is_nosync)
+
+
+class NosyncBackend:
+    """The backend as an object that keeps what it compiled (for tests and the explain CLI).
+
+    ``torch.compile(fn, backend=NosyncBackend(options={...}))`` is the same as
+    ``torch.compile(fn, backend="nosync", options={...})``.
+    """
+
+    def __init__(self, options: Optional[dict] = None, mode: Optional[str] = None) -> None:
+        self.options = Options.from_dict(options)
+        self.mode = mode
+        self.compiled: list[dict] = []  # one record per graph: {"graph": gm, "codegen": ...}
+        _ensure_hooks()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        opts = self.options
+        if "options" in kwargs:
+            opts = Options.from_dict(kwargs.pop("options"))
+        mode = kwargs.pop("mode", self.mode)
+        return _compile(gm, example_inputs, opts, mode, kwargs, self.compiled)
+
+    def reset(self) -> None:
+        self.compiled.clear()
+
+
+_COMPILED: list[dict] = []
+
+
+def nosync(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+    """The ``nosync`` backend function (what the entry point and ``register_backend`` name)."""
+    opts = Options.from_dict(kwargs.pop("options", None))
+    mode = kwargs.pop("mode", None)
+    return _compile(gm, example_inputs, opts, mode, kwargs, _COMPILED)
+
+
+def compiled_graphs() -> list[dict]:
+    """What the ``nosync`` backend function compiled in this process (newest last)."""
+    return list(_COMPILED)
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode: Optional[str],
+             extra: dict, record: list) -> Callable:
+    if extra:
+        log.warning("nosync: ignoring unknown backend keyword argument(s): %s", ", ".join(sorted(extra)))
+    if mode is not None and mode not in MODES:
+        raise NosyncOptionsError(f"nosync: unknown mode {mode!r}; valid modes are: {', '.join(MODES)}")
+    compile_id = dynamo_hooks.current_compile_id()
+    if opts.cudagraphs:
+        _check_cudagraphs(example_inputs, compile_id)
+    try:
+        compiled = _codegen(gm, example_inputs, opts, mode)
+    except Exception:
+        if opts.strict:
+            raise
+        log.warning("nosync: %s codegen failed; falling back to the FX graph (eager)",
+                    opts.codegen, exc_info=True)
+        compiled = gm.forward
+    entry = {"graph": gm, "codegen": opts.codegen, "mode": mode, "compile_id": compile_id,
+             "verified": None}
+    if opts.verify:
+        entry["verified"] = _verify(gm, compiled, example_inputs, opts)
+    record.append(entry)
+    return compiled
+
+
+def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode: Optional[str]) -> Callable:
+    if opts.codegen == "eager":
+        if opts.cudagraphs:
+            from torch._dynamo.backends.registry import lookup_backend
+
+            return lookup_backend("cudagraphs")(gm, example_inputs)
+        return gm.forward
     from torch._inductor.compile_fx import compile_fx
-    return compile_fx(gm, example_inputs)
 
-def reset():
-    pass
+    patches: dict[str, Any] = {}
+    if mode is not None and mode != "default":
+        import torch._inductor
+
+        patches.update(torch._inductor.list_mode_options(mode))
+    if opts.cudagraphs:
+        patches["triton.cudagraphs"] = True
+    return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+def _check_cudagraphs(example_inputs: list, compile_id: Optional[str]) -> None:
+    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    if "cuda" not in devices or not torch.cuda.is_available():
+        raise NosyncOptionsError(
+            "nosync: options['cudagraphs']=True needs CUDA inputs; this graph runs on "
+            f"{', '.join(sorted(devices)) or 'no tensor inputs'}. Drop the option on CPU."
+        )
+    remaining = [
+        d for d in DECISIONS.all() if d.action is not Action.HOISTED and d.compile_id == (compile_id or "")
+    ]
+    if remaining:
+        sites = "; ".join(f"{d.site}: {d.source} ({d.reason.value})" for d in remaining[:3])
+        raise NosyncError(
+            "nosync: options['cudagraphs']=True but a sync remains in the step, so the step "
+            f"cannot be captured as one CUDA graph: {sites}"
+        )
+
+
+def _verify(gm: torch.fx.GraphModule, compiled: Callable, example_inputs: list, opts: Options) -> Any:
+    from . import verify
+
+    return verify.verify_compiled(gm, compiled, example_inputs, strict=opts.strict,
+                                  name=f"nosync graph ({opts.codegen})")
+
+
+def reset() -> None:
+    """Forget every nosync decision, site state and compiled record; call with torch._dynamo.reset()."""
+    guards.reset()
+    _COMPILED.clear()
+
+
+def _register_logging() -> None:
+    """``TORCH_LOGS=nosync`` shows each hoist/reject/demote decision."""
+    try:
+        from torch._logging._internal import log_registry, register_log
+
+        if "nosync" not in log_registry.log_alias_to_log_qnames:
+            register_log("nosync", ["torchsync_pass"])
+            import torch._logging._internal as _li
+
+            _li._init_logs()
+    except Exception:  # logging integration is best effort
+        log.debug("nosync: could not register TORCH_LOGS=nosync", exc_info=True)
+
+
+_register_logging()
+_ensure_hooks()

@@ -71,7 +71,8 @@ class Decision:
     source: str = ""
     detail: str = ""
     value: str = ""  # repr of the hoisted value, when hoisted
-    leaves: tuple[str, ...] = ()  # guard sources of the cone leaves
+    leaves: tuple[str, ...] = ()  # user names of the cone leaves
+    compile_id: str = ""  # Dynamo's compile id of the frame being traced ("0/1", ...)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

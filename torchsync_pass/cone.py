@@ -1,0 +1,304 @@
+"""The cone of a sync: which graph inputs a synced value depends on, and whether it may be hoisted.
+
+A sync ``v = f(a, b).item()`` can become a guarded constant only when ``v`` is a pure function of
+tensors that stay fixed for the request. Given the Dynamo FX graph traced so far and the node of the
+synced tensor, :func:`analyze_cone` walks the dataflow back to the placeholders (networkx
+``ancestors``) and checks, in this order:
+
+1. the sync sits in the root tracer (not inside a ``torch.cond``/HOP subgraph);
+2. every node of the cone is a plain op: no ``get_attr`` constant, no ``call_module``, no
+   higher-order op, no random op, no in-place or otherwise side-effecting op;
+3. no leaf has symbolic sizes (``dynamic=True``), see :mod:`torchsync_pass.symbolic`;
+4. no node anywhere in the graph so far writes in place to a leaf or to any view of it (aliasing is
+   decided by the fake tensors' storages, so ``x[0] = 1``, ``x.view(-1).fill_(0)``, ``x.data.add_``
+   are all caught);
+5. every leaf is request-invariant: a parameter or buffer, an input named in
+   ``options["invariant"]``, or (speculatively) another tensor input; an undeclared inference
+   tensor is rejected, since it has no ``_version`` to notice in-place writes.
+
+It never mutates the traced graph. When the cone passes, it is copied into a small standalone
+``GraphModule`` whose inputs are the leaves, so the guard can re-run exactly these ops on new leaf
+tensors.
+
+Before (Dynamo graph at the sync)::
+
+    %l_tt : placeholder[L['token_types']]
+    %eq   : call_function[operator.eq](%l_tt, 0)
+    %any  : call_method[any](%eq)          <- `if (token_types == 0).any():`
+
+Cone module::
+
+    def forward(self, l_tt):
+        eq = l_tt == 0
+        return eq.any()
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import networkx as nx
+import torch
+from torch import fx
+
+from . import symbolic
+from .report import Reason
+
+log = logging.getLogger(__name__)
+
+_RANDOM_RE = re.compile(
+    r"(^|_)(rand|randn|randint|randperm|bernoulli|multinomial|normal|poisson|uniform|"
+    r"exponential|cauchy|geometric|log_normal|dropout|alpha_dropout|feature_alpha_dropout|"
+    r"rrelu|random|seed|manual_seed|get_rng_state|set_rng_state)(_|$|_like$)"
+)
+_INPLACE_OPERATORS = {
+    operator.setitem,
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
+    operator.imatmul,
+}
+_SAFE_PRIVATE = {"_unsafe_view"}
+
+
+@dataclass(frozen=True)
+class LeafInfo:
+    source: str  # guard expression, e.g. "L['token_types']"
+    name: str  # dotted user name, e.g. "token_types", "self.attn.mask"
+    role: str
+    declared: bool
+    inference: bool
+
+
+@dataclass
+class ConeResult:
+    ok: bool
+    reason: Reason
+    detail: str = ""
+    leaves: list[LeafInfo] = field(default_factory=list)
+    leaf_examples: list[Any] = field(default_factory=list)
+    module: Optional[fx.GraphModule] = None
+    speculative: bool = False  # some leaf is an undeclared input (auto mode)
+
+    @property
+    def fingerprint(self) -> tuple:
+        """What identifies the computation: leaf sources plus the cone's code."""
+        code = self.module.code if self.module is not None else ""
+        return (tuple(l.source for l in self.leaves), code)
+
+
+def dotted_name(source: str) -> str:
+    """``L['self']._modules['attn']._buffers['mask']`` -> ``self.attn.mask``."""
+    s = re.sub(r"\._(?:modules|buffers|parameters)\['([^']+)'\]", r".\1", source)
+    s = re.sub(r"^[LG]\['([^']+)'\]", r"\1", s)
+    s = re.sub(r"\['([^']+)'\]", r".\1", s)
+    s = re.sub(r"\[(\d+)\]", r".\1", s)
+    return s
+
+
+def is_declared(name: str, declared: Iterable[str]) -> bool:
+    for d in declared:
+        if name == d or (name.startswith("self.") and name[len("self.") :] == d):
+            return True
+        if d.startswith("self.") and name == d[len("self.") :]:
+            return True
+    return False
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__name__", None) or str(t)
+
+
+def is_random(node: fx.Node) -> bool:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
+        return True
+    if isinstance(t, torch._ops.OpOverloadPacket):
+        if any(torch.Tag.nondeterministic_seeded in getattr(t, o).tags for o in t.overloads()):
+            return True
+    return bool(_RANDOM_RE.search(_target_name(node)))
+
+
+def inplace_target(node: fx.Node) -> Optional[fx.Node]:
+    """The node an in-place op writes to, or None when the node writes nothing."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    first = node.args[0] if node.args else None
+    out = node.kwargs.get("out")
+    if isinstance(out, fx.Node):
+        return out
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        return first if isinstance(first, fx.Node) else None
+    name = _target_name(node)
+    if node.op == "call_method" and name in ("__setitem__", "copy_", "set_", "resize_"):
+        return first if isinstance(first, fx.Node) else None
+    if name.endswith("_") and not name.endswith("__") and not name.startswith("_"):
+        return first if isinstance(first, fx.Node) else None
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
+        return first if isinstance(first, fx.Node) else None
+    return None
+
+
+def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
+    name = _target_name(node)
+    if node.op == "get_attr":
+        return Reason.CONSTANT_LEAF, f"reads graph attribute {node.target!r}"
+    if node.op == "call_module":
+        return Reason.SUBGRAPH, f"calls module {node.target!r}"
+    if node.op not in ("call_function", "call_method"):
+        return None
+    t = node.target
+    if isinstance(t, torch._ops.HigherOrderOperator):
+        return Reason.SUBGRAPH, f"higher-order op {name}"
+    if is_random(node):
+        return Reason.IMPURE_OP, f"random op {name}"
+    if inplace_target(node) is not None:
+        return Reason.IMPURE_OP, f"in-place op {name}"
+    if node.op == "call_function" and name.startswith("_") and name not in _SAFE_PRIVATE:
+        return Reason.IMPURE_OP, f"side-effecting or internal op {name}"
+    return None
+
+
+def _storage_key(value: Any) -> Optional[int]:
+    if isinstance(value, torch.Tensor):
+        try:
+            return value.untyped_storage()._cdata
+        except Exception:
+            return None
+    return None
+
+
+def _example(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def dataflow(graph: fx.Graph) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for n in graph.nodes:
+        g.add_node(n)
+        for inp in n.all_input_nodes:
+            g.add_edge(inp, n)
+    return g
+
+
+def analyze_cone(
+    node: fx.Node,
+    leaves: Sequence[Any],  # dynamo_hooks.Leaf
+    *,
+    declared: Iterable[str] = (),
+    in_root_tracer: bool = True,
+) -> ConeResult:
+    """Decide whether the value of ``node`` may be hoisted; see the module docstring."""
+    declared = list(declared)
+    if not in_root_tracer:
+        return ConeResult(False, Reason.NOT_ROOT_TRACER)
+    graph = node.graph
+    flow = dataflow(graph)
+    cone_nodes = nx.ancestors(flow, node) | {node}
+    by_node = {leaf.node: leaf for leaf in leaves}
+
+    leaf_nodes = [n for n in graph.nodes if n in cone_nodes and n.op == "placeholder"]
+    for n in graph.nodes:
+        if n not in cone_nodes or n.op == "placeholder":
+            continue
+        bad = _impure_reason(n)
+        if bad is not None:
+            return ConeResult(False, bad[0], f"{bad[1]} at {_where(n)}")
+
+    infos: list[LeafInfo] = []
+    examples: list[Any] = []
+    speculative = False
+    for n in leaf_nodes:
+        leaf = by_node.get(n)
+        if leaf is None:
+            return ConeResult(False, Reason.NO_SOURCE, f"input {n.name} has no guardable source")
+        syms = symbolic.free_symbols_of(leaf.example, _example(n))
+        if leaf.role == "symbolic" or syms:
+            return ConeResult(False, Reason.SYMBOLIC, symbolic.describe(leaf.source, syms))
+        if not isinstance(leaf.example, torch.Tensor):
+            return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is a {type(leaf.example).__name__}")
+        name = dotted_name(leaf.source)
+        decl = is_declared(name, declared)
+        inference = leaf.example.is_inference()
+        if inference and not decl:
+            return ConeResult(False, Reason.INFERENCE_TENSOR, f"{name} is an inference tensor")
+        if leaf.role not in ("parameter", "buffer") and not decl:
+            speculative = True
+        infos.append(LeafInfo(leaf.source, name, leaf.role, decl, inference))
+        examples.append(leaf.example)
+
+    for n in cone_nodes:
+        if n.op != "placeholder":
+            syms = symbolic.free_symbols_of(_example(n))
+            if syms:
+                return ConeResult(False, Reason.SYMBOLIC, symbolic.describe(n.name, syms))
+
+    mutated = _mutated_leaf(graph, leaf_nodes)
+    if mutated is not None:
+        return ConeResult(False, Reason.MUTATION, mutated)
+
+    module = extract_cone(graph, node, leaf_nodes, cone_nodes)
+    return ConeResult(
+        True, Reason.INVARIANT_CONE, "", infos, examples, module=module, speculative=speculative
+    )
+
+
+def _where(n: fx.Node) -> str:
+    st = n.meta.get("stack_trace") or ""
+    lines = [l.strip() for l in st.strip().splitlines() if l.strip().startswith("File ")]
+    return lines[-1] if lines else n.name
+
+
+def _mutated_leaf(graph: fx.Graph, leaf_nodes: list[fx.Node]) -> Optional[str]:
+    """Describe an in-place write to a leaf (or any alias of it) anywhere in the graph so far."""
+    storages = {}
+    for n in leaf_nodes:
+        key = _storage_key(_example(n))
+        if key is not None:
+            storages[key] = n
+    if not storages:
+        return None
+    for n in graph.nodes:
+        target = inplace_target(n)
+        if target is None:
+            continue
+        key = _storage_key(_example(target))
+        if key in storages:
+            leaf = storages[key]
+            return f"{_target_name(n)} writes to {leaf.name} (or a view of it) at {_where(n)}"
+    return None
+
+
+def extract_cone(
+    graph: fx.Graph, node: fx.Node, leaf_nodes: list[fx.Node], cone_nodes: set[fx.Node]
+) -> fx.GraphModule:
+    """Copy the cone into a standalone GraphModule: ``forward(*leaves) -> value of node``."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, n in enumerate(leaf_nodes):
+        env[n] = new.placeholder(f"leaf{i}_{n.name}")
+    for n in graph.nodes:  # graph order is a topological order
+        if n in cone_nodes and n not in env:
+            env[n] = new.node_copy(n, lambda x: env[x])
+            if "stack_trace" in n.meta:
+                env[n].meta["stack_trace"] = n.meta["stack_trace"]
+    new.output(env[node])
+    new.lint()
+    return fx.GraphModule(torch.nn.Module(), new, class_name="NosyncCone")

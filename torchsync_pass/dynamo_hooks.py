@@ -1,0 +1,691 @@
+"""The only module of torchsync_pass that touches TorchDynamo internals.
+
+Why hooks at all: Dynamo splits a frame at every host sync *before* it calls a backend, so a plain
+``(gm, example_inputs)`` backend never sees the whole step and cannot remove a graph break. The
+nosync pass therefore acts inside Dynamo's tracing, at these hook points, and only for frames whose
+backend is nosync (every other frame sees stock Dynamo):
+
+=====================================  =====================================================
+hook point                             sync it intercepts
+=====================================  =====================================================
+``TensorVariable.method_item``         ``t.item()``
+``TensorVariable.method_tolist``       ``t.tolist()``
+``TensorVariable.bool_impl``           ``bool(t)``
+``TensorVariable.nb_int_impl``         ``int(t)``
+``TensorVariable.nb_float_impl``       ``float(t)``
+``TensorVariable.nb_index_impl``       ``operator.index(t)`` (``range(t)``, ``x[t]`` of ints)
+``generic_jump`` handlers              ``if t:``, ``while t:``, ``and``/``or``, ``assert t``
+=====================================  =====================================================
+
+NOTE: two ways a hook can be silently dead. From torch 2.14 ``TensorVariable.call_method`` looks
+handlers up in the class-level ``tp_methods`` table captured when the class was created, so the
+table entry is replaced too. The jump handlers are copied into each translator class's
+``dispatch_table`` when the class is created, so every table entry that holds a ``generic_jump``
+handler is replaced, not just the class attribute. :func:`self_test` compiles tiny functions and
+checks that each hook actually fires; if one does not, the pass is switched off with one warning and
+nosync behaves exactly like stock Inductor.
+
+The rest of the package talks to this module through plain data (:class:`SyncSite`, :class:`Leaf`)
+and three callables: :func:`install` (with a policy), :func:`add_lambda_guard` and
+:func:`unsupported`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import linecache
+import logging
+import operator
+import sys
+import threading
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TORCH = ((2, 13), (2, 16))  # [min, max)
+
+JUMP_KIND = "bool"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A graph input that a synced value depends on."""
+
+    node: torch.fx.Node
+    source: str  # guard expression over L / G, e.g. "L['self']._buffers['mask']"
+    example: Any  # the real value at trace time
+    role: str  # "parameter", "buffer", "input", "attribute", "global", "symbolic", "other"
+
+
+@dataclass
+class SyncSite:
+    """One sync Dynamo is about to trace, described with plain data."""
+
+    kind: str  # "item", "tolist", "bool", "int", "float", "index"
+    node: torch.fx.Node  # the FX node of the tensor being synced
+    code: types.CodeType
+    offset: int
+    file: str
+    line: int
+    col: int
+    in_root_tracer: bool
+    fullgraph: bool
+    options: dict
+    leaves: list[Leaf] = field(default_factory=list)
+    _tx: Any = None  # the translator; opaque outside this module
+
+    @property
+    def source_line(self) -> str:
+        return linecache.getline(self.file, self.line).strip()
+
+    @property
+    def code_name(self) -> str:
+        return getattr(self.code, "co_qualname", self.code.co_name)
+
+
+# A policy maps a SyncSite to ``(True, value)`` to hoist (the value replaces the sync) or
+# ``(False, None)`` to leave the sync to stock Dynamo.
+Policy = Callable[[SyncSite], "tuple[bool, Any]"]
+
+_state = threading.local()
+_policy: Optional[Policy] = None
+_backend_matcher: Optional[Callable[[Any], bool]] = None
+_originals: dict[str, Any] = {}
+_installed = False
+_self_test_result: Optional[dict[str, bool]] = None
+_disabled_reason: Optional[str] = None
+_install_lock = threading.RLock()
+
+
+# --------------------------------------------------------------------------------------------
+# Which backend is tracing this frame?
+# --------------------------------------------------------------------------------------------
+def _unwrap_backend(fn: Any) -> tuple[Any, dict]:
+    """Walk the wrappers Dynamo puts around a backend; return (innermost, kwargs).
+
+    Under ``torch.compile`` the chain is WrapBackendDebug -> _TorchCompileWrapper -> backend, and
+    the options travel in ``_TorchCompileWrapper.kwargs`` (copied onto the debug wrapper).
+    """
+    kwargs: dict = {}
+    seen = 0
+    while fn is not None and seen < 8:
+        seen += 1
+        if _backend_matcher is not None and _backend_matcher(fn):
+            return fn, kwargs
+        kw = getattr(fn, "kwargs", None)
+        if isinstance(kw, dict) and not kwargs:
+            kwargs = dict(kw)
+        nxt = None
+        for attr in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__"):
+            cand = getattr(fn, attr, None)
+            if cand is not None and cand is not fn:
+                nxt = cand
+                break
+        fn = nxt
+    return None, {}
+
+
+def _nosync_options(tx: Any) -> Optional[dict]:
+    """Options dict if this frame's backend is nosync, else None (stock Dynamo)."""
+    if _policy is None or getattr(_state, "busy", False):
+        return None
+    try:
+        compiler_fn = tx.output.compiler_fn
+    except AttributeError:
+        return None
+    backend, kwargs = _unwrap_backend(compiler_fn)
+    if backend is None:
+        return None
+    opts = kwargs.get("options") or getattr(backend, "options", None) or {}
+    return dict(opts)
+
+
+# --------------------------------------------------------------------------------------------
+# Describing a sync site
+# --------------------------------------------------------------------------------------------
+def _source_name(source: Any) -> Optional[str]:
+    if source is None:
+        return None
+    name = source.name
+    return name() if callable(name) else name
+
+
+def _role(source_name: str, example: Any) -> str:
+    if not isinstance(example, torch.Tensor):
+        return "symbolic" if isinstance(example, (torch.SymInt, torch.SymFloat, int, float)) else "other"
+    if "._parameters[" in source_name:
+        return "parameter"
+    if "._buffers[" in source_name:
+        return "buffer"
+    if source_name.startswith("G["):
+        return "global"
+    if source_name.startswith("L[") and "]" in source_name and source_name.index("]") == len(source_name) - 1:
+        return "input"
+    return "attribute"
+
+
+def _leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
+    ga = node.meta.get("grapharg")
+    if ga is None:
+        return None
+    src = _source_name(getattr(ga, "source", None))
+    if src is None:
+        return None
+    try:
+        example = ga.example
+    except Exception:  # example released
+        return None
+    return Leaf(node=node, source=src, example=example, role=_role(src, example))
+
+
+def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
+    inst = tx.current_instruction
+    code = tx.f_code
+    positions = getattr(inst, "positions", None)
+    line = (positions.lineno if positions is not None and positions.lineno else None) or getattr(
+        inst, "starts_line", None
+    ) or tx.lineno
+    col = positions.col_offset if positions is not None and positions.col_offset is not None else 0
+    node = var.as_proxy().node
+    output = tx.output
+    site = SyncSite(
+        kind=kind,
+        node=node,
+        code=code,
+        offset=inst.offset if inst.offset is not None else -1,
+        file=code.co_filename,
+        line=int(line),
+        col=int(col),
+        in_root_tracer=output.current_tracer is output.root_tracer,
+        fullgraph=bool(getattr(tx, "one_graph", False)),
+        options=options,
+        _tx=tx,
+    )
+    for n in node.graph.nodes:
+        if n.op == "placeholder":
+            leaf = _leaf_of(n)
+            if leaf is not None:
+                site.leaves.append(leaf)
+    return site
+
+
+def _ask_policy(tx: Any, var: Any, kind: str) -> tuple[bool, Any, Optional[SyncSite]]:
+    """(True, value, site) to hoist; (False, why_not, site) to leave it to stock Dynamo."""
+    options = _nosync_options(tx)
+    if options is None:
+        return False, None, None
+    if not getattr(var, "is_tensor", lambda: False)():
+        return False, None, None
+    try:
+        site = _describe(tx, var, kind, options)
+    except Exception:
+        log.debug("nosync: could not describe %s site", kind, exc_info=True)
+        return False, None, None
+    _state.busy = True
+    try:
+        ok, value = _policy(site)  # type: ignore[misc]
+    finally:
+        _state.busy = False
+    return ok, value, site
+
+
+def _stock(site: Optional[SyncSite], why_not: Any, run: Callable[[], Any]) -> Any:
+    """Run Dynamo's own handler; under fullgraph=True, replace its generic error with ours."""
+    if site is None or not site.fullgraph or not why_not:
+        return run()
+    from torch._dynamo.exc import Unsupported
+
+    try:
+        return run()
+    except Unsupported:
+        unsupported(site, str(why_not))
+
+
+def _const(tx: Any, value: Any) -> Any:
+    from torch._dynamo.variables import ConstantVariable
+
+    if isinstance(value, list):
+        from torch._dynamo.variables.lists import ListVariable
+
+        return ListVariable([_const(tx, v) for v in value])
+    return ConstantVariable.create(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Guard installation and errors
+# --------------------------------------------------------------------------------------------
+def add_lambda_guard(site: SyncSite, check: Callable[[dict, dict], bool], description: str) -> None:
+    """Install ``check(L, G) -> bool`` as an epilogue guard of the frame being traced.
+
+    Epilogue guards run after every other guard passed, so the leaf sources that ``check``
+    evaluates are already known to exist with the expected types.
+    """
+    from torch._dynamo.guards import install_guard
+    from torch._guards import Guard
+
+    name = f"___nosync_guard_{id(check):x}"
+
+    def create_fn(builder: Any, guard: Any) -> None:
+        builder.add_python_lambda_leaf_guard_to_root(
+            [f"{name}(L, G)"],
+            [f"nosync: {description}"],
+            closure_vars={name: check},
+        )
+
+    install_guard(Guard(_guard_source(site), create_fn))
+
+
+def _guard_source(site: SyncSite) -> Any:
+    from torch._dynamo.source import GlobalSource
+
+    # The source only names the guard; the check itself reads its leaves from L and G.
+    return GlobalSource(f"__nosync_{site.code.co_name}_{site.offset}")
+
+
+def leaf_getter(sources: list[str]) -> Callable[[Any, Any], tuple]:
+    """Compile ``lambda L, G: (src1, src2, ...)`` for guard-time leaf lookup."""
+    from torch._dynamo.guards import _get_closure_vars
+
+    env = dict(_get_closure_vars())
+    body = ", ".join(sources) + ("," if sources else "")
+    return eval(f"lambda L, G: ({body})", env)  # noqa: S307 - sources are Dynamo guard expressions
+
+
+def unsupported(site: SyncSite, message: str) -> None:
+    """Raise Dynamo's graph-break exception with our own message (for fullgraph=True)."""
+    from torch._dynamo.exc import unimplemented
+
+    unimplemented(
+        gb_type="nosync: sync could not be hoisted",
+        context=f"{site.file}:{site.line}: {site.source_line}",
+        explanation=message,
+        hints=[
+            "Declare the request-invariant inputs with options={'invariant': [...]}, "
+            "or move the sync out of the compiled step.",
+        ],
+    )
+
+
+def current_compile_id() -> Optional[str]:
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    return None if cid is None else str(cid)
+
+
+def is_fake(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(t)
+
+
+# --------------------------------------------------------------------------------------------
+# The hooks
+# --------------------------------------------------------------------------------------------
+_METHOD_HOOKS = {
+    # attribute on TensorVariable: (sync kind, how many extra positional args the handler takes)
+    "method_item": "item",
+    "method_tolist": "tolist",
+    "bool_impl": "bool",
+    "nb_int_impl": "int",
+    "nb_float_impl": "float",
+    "nb_index_impl": "index",
+}
+_fired: dict[str, int] = {}
+
+
+def _make_method_hook(attr: str, kind: str, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def hook(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return original(self, tx, *args, **kwargs)
+        _fired[attr] = _fired.get(attr, 0) + 1
+        ok, value, site = _ask_policy(tx, self, kind)
+        if ok:
+            return _const(tx, value)
+        return _stock(site, value, lambda: original(self, tx))
+
+    hook.__nosync_hook__ = True  # type: ignore[attr-defined]
+    return hook
+
+
+def _is_generic_jump(fn: Any) -> bool:
+    return (
+        isinstance(fn, types.FunctionType)
+        and fn.__qualname__.startswith("generic_jump.")
+        and fn.__code__.co_freevars is not None
+        and "truth_fn" in fn.__code__.co_freevars
+    )
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+
+
+def _make_jump_hook(original: Callable) -> Callable:
+    cl = _closure(original)
+    truth_fn, push = cl["truth_fn"], cl["push"]
+
+    @functools.wraps(original)
+    def hook(self: Any, inst: Any) -> Any:
+        _fired["generic_jump"] = _fired.get("generic_jump", 0) + 1
+        value = self.stack[-1] if self.stack else None
+        if value is not None and getattr(value, "is_tensor", lambda: False)():
+            ok, decided, site = _ask_policy(self, value.realize(), JUMP_KIND)
+            if not ok:
+                return _stock(site, decided, lambda: original(self, inst))
+            if ok:
+                # Hoist the *decision*: keep the tested tensor itself on the stack when the
+                # instruction leaves it there (JUMP_IF_*_OR_POP: `c = a.any() or b`).
+                self.pop()
+                if truth_fn(bool(decided)):
+                    if push:
+                        self.push(value)
+                    self.jump(inst)
+                return None
+        return original(self, inst)
+
+    hook.__nosync_hook__ = True  # type: ignore[attr-defined]
+    return hook
+
+
+def _translator_classes() -> list[type]:
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    out, todo = [], [InstructionTranslatorBase]
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+def _replace_tp_method(cls: type, attr: str, hook: Callable) -> bool:
+    """torch>=2.14: replace the entry of the class-level method table too."""
+    table = getattr(cls, "tp_methods", None)
+    if not isinstance(table, dict):
+        return False
+    name = attr[len("method_") :] if attr.startswith("method_") else attr
+    replaced = False
+    for key in (name, attr):
+        entry = table.get(key)
+        if entry is None:
+            continue
+        for fld in ("fn", "func", "impl", "handler"):
+            if hasattr(entry, fld) and getattr(entry, fld) is _originals.get(f"TensorVariable.{attr}"):
+                try:
+                    setattr(entry, fld, hook)
+                except (AttributeError, TypeError):
+                    import dataclasses
+
+                    if dataclasses.is_dataclass(entry):
+                        table[key] = dataclasses.replace(entry, **{fld: hook})
+                replaced = True
+        if not replaced and callable(entry) and entry is _originals.get(f"TensorVariable.{attr}"):
+            table[key] = hook
+            replaced = True
+    return replaced
+
+
+def install(policy: Policy, backend_matcher: Callable[[Any], bool]) -> bool:
+    """Install the hooks (idempotent). Returns False when the pass is disabled for this torch."""
+    global _policy, _backend_matcher, _installed, _disabled_reason
+    with _install_lock:
+        _backend_matcher = backend_matcher
+        if _installed:
+            _policy = policy
+            return _disabled_reason is None
+        reason = _unsupported_reason()
+        if reason is None:
+            try:
+                _patch()
+            except Exception as e:  # a hook point moved
+                reason = f"could not install a Dynamo hook: {type(e).__name__}: {e}"
+                log.debug("nosync: hook install failed", exc_info=True)
+                _unpatch()
+        _installed = True
+        if reason is None:
+            _policy = policy
+            result = self_test()
+            dead = [k for k, ok in result.items() if not ok]
+            if dead:
+                reason = "Dynamo hook(s) installed but never fired: " + ", ".join(dead)
+                _unpatch()
+        if reason is not None:
+            _policy = None
+            _disabled_reason = reason
+            warnings.warn(
+                f"torchsync_pass: the nosync pass is disabled on torch {torch.__version__} "
+                f"(Python {sys.version_info.major}.{sys.version_info.minor}): {reason}. "
+                "backend='nosync' now behaves exactly like stock Inductor.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        _policy = policy
+        return True
+
+
+def disabled_reason() -> Optional[str]:
+    return _disabled_reason
+
+
+def _unsupported_reason() -> Optional[str]:
+    ver = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    lo, hi = SUPPORTED_TORCH
+    if not (lo <= ver < hi):
+        return f"torch {torch.__version__} is outside the supported range >={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+    if sys.version_info < (3, 11) or sys.version_info >= (3, 14):
+        return f"Python {sys.version_info.major}.{sys.version_info.minor} is not supported (3.11-3.13)"
+    return None
+
+
+def _patch() -> None:
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    for attr, kind in _METHOD_HOOKS.items():
+        original = getattr(TensorVariable, attr)  # AttributeError: hook point missing
+        _originals[f"TensorVariable.{attr}"] = original
+        hook = _make_method_hook(attr, kind, original)
+        setattr(TensorVariable, attr, hook)
+        _replace_tp_method(TensorVariable, attr, hook)
+
+    found = 0
+    hooks: dict[int, Callable] = {}
+    for cls in _translator_classes():
+        for name, fn in list(vars(cls).items()):
+            if _is_generic_jump(fn):
+                _originals.setdefault(f"{cls.__qualname__}.{name}", fn)
+                hooks.setdefault(id(fn), _make_jump_hook(fn))
+                setattr(cls, name, hooks[id(fn)])
+                found += 1
+        table = cls.__dict__.get("dispatch_table")
+        if isinstance(table, list):
+            for i, fn in enumerate(table):
+                if _is_generic_jump(fn):
+                    hooks.setdefault(id(fn), _make_jump_hook(fn))
+                    _originals.setdefault(f"{cls.__qualname__}.dispatch_table[{i}]", fn)
+                    table[i] = hooks[id(fn)]
+                    found += 1
+    if not found:
+        raise AttributeError("no generic_jump handlers found on the instruction translators")
+
+
+def _unpatch() -> None:
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    for key, original in list(_originals.items()):
+        owner, _, attr = key.partition(".")
+        if owner == "TensorVariable":
+            setattr(TensorVariable, attr, original)
+            _replace_tp_method_back(TensorVariable, attr, original)
+    for cls in _translator_classes():
+        for name, fn in list(vars(cls).items()):
+            if getattr(fn, "__nosync_hook__", False):
+                setattr(cls, name, _originals.get(f"{cls.__qualname__}.{name}", fn.__wrapped__))
+        table = cls.__dict__.get("dispatch_table")
+        if isinstance(table, list):
+            for i, fn in enumerate(table):
+                if getattr(fn, "__nosync_hook__", False):
+                    table[i] = fn.__wrapped__
+    _originals.clear()
+
+
+def _replace_tp_method_back(cls: type, attr: str, original: Callable) -> None:
+    table = getattr(cls, "tp_methods", None)
+    if not isinstance(table, dict):
+        return
+    for key, entry in list(table.items()):
+        for fld in ("fn", "func", "impl", "handler"):
+            v = getattr(entry, fld, None)
+            if getattr(v, "__nosync_hook__", False):
+                try:
+                    setattr(entry, fld, original)
+                except (AttributeError, TypeError):
+                    import dataclasses
+
+                    if dataclasses.is_dataclass(entry):
+                        table[key] = dataclasses.replace(entry, **{fld: original})
+        if getattr(entry, "__nosync_hook__", False):
+            table[key] = original
+
+
+# --------------------------------------------------------------------------------------------
+# Self-test: does each hook actually fire on a tiny function?
+# --------------------------------------------------------------------------------------------
+class _SelfTestBackend:
+    """Marker backend used only by the self-test."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        return gm.forward
+
+
+def _self_test_fns() -> dict[str, Callable]:
+    def f_item(x):
+        return x * x.sum().item()
+
+    def f_tolist(x):
+        a, b = x.tolist()
+        return x + a + b
+
+    def f_bool(x):
+        return x + 1 if bool(x.sum()) else x - 1
+
+    def f_int(x):
+        return x * int(x.sum())
+
+    def f_float(x):
+        return x * float(x.sum())
+
+    def f_index(x):
+        return x * operator.index(x.sum())
+
+    def f_jump(x):
+        if x.sum() > 0:
+            return x + 1
+        return x - 1
+
+    return {
+        "TensorVariable.method_item": f_item,
+        "TensorVariable.method_tolist": f_tolist,
+        "TensorVariable.bool_impl": f_bool,
+        "TensorVariable.nb_int_impl": f_int,
+        "TensorVariable.nb_float_impl": f_float,
+        "TensorVariable.nb_index_impl": f_index,
+        "generic_jump (dispatch_table)": f_jump,
+    }
+
+
+def self_test(verbose: bool = False) -> dict[str, bool]:
+    """Compile one tiny function per hook point with a marker backend; True where the hook fired.
+
+    Each function's sync must reach our policy *and* be replaced by a constant: the compiled
+    function must then produce one graph (no break) and the eager result.
+    """
+    global _policy, _backend_matcher
+    results: dict[str, bool] = {}
+    seen: list[str] = []
+
+    def probe_policy(site: SyncSite) -> tuple[bool, Any]:
+        seen.append(site.kind)
+        real = site.leaves[0].example
+        with torch.no_grad():
+            t = real.sum() if site.kind != "tolist" else real
+            value = {
+                "item": t.item,
+                "tolist": t.tolist,
+                "bool": lambda: bool(t),
+                "int": lambda: int(t),
+                "float": lambda: float(t),
+                "index": lambda: operator.index(t),
+            }.get(site.kind, lambda: bool(t))()
+        return True, value
+
+    if not _originals:
+        return {k: False for k in _self_test_fns()}
+    saved = (_policy, _backend_matcher)
+    from torch._dynamo.utils import counters
+
+    saved_counters = {k: dict(v) for k, v in counters.items()}
+    marker = _SelfTestBackend()
+    _policy = probe_policy
+    _backend_matcher = lambda fn: fn is marker  # noqa: E731
+    try:
+        import torch._dynamo
+
+        for name, fn in _self_test_fns().items():
+            seen.clear()
+            graphs: list[int] = []
+
+            ints = name.endswith(("tolist", "index_impl", "nb_int_impl"))
+            x = torch.tensor([2, 3]) if ints else torch.tensor([2.0, 3.0])
+            try:
+                compiled = torch.compile(fn, backend=_CountingMarker(marker, graphs))
+                got = compiled(x)
+                ok = bool(seen) and len(graphs) == 1 and torch.equal(got, fn(x))
+            except Exception:
+                log.debug("nosync self-test %s failed", name, exc_info=True)
+                ok = False
+            finally:
+                torch._dynamo.reset()
+            results[name] = ok
+            if verbose:
+                print(f"  {'ok  ' if ok else 'DEAD'} {name}")
+    finally:
+        _policy, _backend_matcher = saved
+        counters.clear()
+        for k, v in saved_counters.items():
+            counters[k].update(v)
+    global _self_test_result
+    _self_test_result = results
+    return results
+
+
+class _CountingMarker:
+    def __init__(self, marker: Any, graphs: list) -> None:
+        self._torchdynamo_orig_backend = marker
+        self.graphs = graphs
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        self.graphs.append(1)
+        return gm.forward
+
+
+def hook_points() -> list[str]:
+    """Names of every hook point, as the self-test reports them."""
+    return list(_self_test_fns())
+
+
+if __name__ == "__main__":  # python -m torchsync_pass.dynamo_hooks
+    ok = install(lambda site: (False, None), lambda fn: False)
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+    res = _self_test_result or {}
+    for k in hook_points():
+        print(f"  {'ok  ' if res.get(k) else 'DEAD'} {k}")
+    sys.exit(0 if ok else 1)

@@ -1,0 +1,383 @@
+"""Hoisted constants: the per-site state, the memo, the guard, and demotion.
+
+A hoisted sync becomes a Python constant in the traced frame plus a guard over the cone's leaves:
+
+    guard(L, G):
+        leaves = (L['token_types'], L['self']._buffers['mask'])
+        key = memo.lookup(leaves)           # weak identity + _version + data_ptr/shape/stride
+        if key is None:                     # new object or written in place: one real sync
+            key = run_cone(leaves); memo.store(leaves, key)
+        return key == specialised_key       # floats compared bitwise
+
+The memo is a small LRU per cone, shared by every cache entry of the site, so interleaved requests
+(A, B, A, B, ...) hit it and only a genuinely new leaf costs a sync. A new value fails the guard;
+Dynamo recompiles, the policy sees the value again (from the memo, no second sync) and specialises
+a new cache entry. Returning to an old value costs nothing.
+
+Demotion keeps speculation from turning into a recompile storm: a site is handed back to stock
+Dynamo for good when it takes more than ``max_specializations`` values, or when its value changed
+on the very next call after it was specialised while its old leaves are gone or were written in
+place (a step-varying value such as a timestep or a step counter). Demotion costs exactly one
+recompile; the demoted site's old guards then fail at once, without a sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import struct
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import dynamo_hooks
+from .cone import ConeResult, analyze_cone
+from .report import DECISIONS, Action, Decision, Reason, SiteKey
+
+log = logging.getLogger("torchsync_pass")
+
+MEMO_SIZE = 8
+MAX_LIST_LEN = 1024
+
+
+def counters() -> Any:
+    from torch._dynamo.utils import counters as c
+
+    return c["nosync"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Values
+# ----------------------------------------------------------------------------------------------
+_CONVERT: dict[str, Callable[[torch.Tensor], Any]] = {
+    "item": lambda t: t.item(),
+    "tolist": lambda t: t.tolist(),
+    "bool": bool,
+    "int": int,
+    "float": float,
+    "index": operator.index,
+}
+
+
+def value_key(v: Any) -> Any:
+    """Hashable key equal for two values iff they are the same value bit for bit."""
+    t = type(v)
+    if t is float:
+        return (float, struct.pack("<d", v))
+    if t is list:
+        return (list, tuple(value_key(x) for x in v))
+    if t in (bool, int):
+        return (t, v)
+    raise TypeError(f"cannot hoist a value of type {t.__name__}")
+
+
+def _hoistable(v: Any, depth: int = 0) -> bool:
+    if type(v) in (bool, int, float):
+        return True
+    if type(v) is list and depth < 4:
+        return len(v) <= MAX_LIST_LEN and all(_hoistable(x, depth + 1) for x in v)
+    return False
+
+
+# ----------------------------------------------------------------------------------------------
+# Memo
+# ----------------------------------------------------------------------------------------------
+def _fingerprint(t: torch.Tensor, identity_only: bool) -> tuple:
+    if identity_only:  # declared inference tensors: no _version; the user promised no writes
+        return (t.data_ptr(), t.shape, t.dtype)
+    return (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+@dataclass
+class _Entry:
+    refs: tuple
+    fps: tuple
+    key: Any
+    value: Any
+
+
+class ConeMemo:
+    """LRU of leaf identity/version -> value for one cone."""
+
+    def __init__(self, identity_only: tuple[bool, ...], size: int = MEMO_SIZE) -> None:
+        self.identity_only = identity_only
+        self.size = size
+        self.entries: list[_Entry] = []
+        self.lock = threading.Lock()
+
+    def fingerprints(self, leaves: tuple) -> tuple:
+        return tuple(_fingerprint(t, io) for t, io in zip(leaves, self.identity_only))
+
+    def lookup(self, leaves: tuple) -> Optional[_Entry]:
+        fps = None
+        for i, e in enumerate(self.entries):
+            refs = e.refs
+            if all(r() is t for r, t in zip(refs, leaves)):
+                if fps is None:
+                    fps = self.fingerprints(leaves)
+                if fps == e.fps:
+                    if i:
+                        with self.lock:
+                            try:
+                                self.entries.remove(e)
+                                self.entries.insert(0, e)
+                            except ValueError:
+                                pass
+                    return e
+        return None
+
+    def store(self, leaves: tuple, key: Any, value: Any) -> _Entry:
+        e = _Entry(tuple(weakref.ref(t) for t in leaves), self.fingerprints(leaves), key, value)
+        with self.lock:
+            self.entries = [x for x in self.entries if all(r() is not None for r in x.refs)]
+            self.entries.insert(0, e)
+            del self.entries[self.size :]
+        return e
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-site state
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Spec:
+    """One specialised value of a site (one Dynamo cache entry)."""
+
+    value: Any
+    key: Any
+    hits: int = 0
+    leaf_refs: tuple = ()
+    leaf_versions: tuple = ()
+
+    def leaves_changed(self, leaves: list[torch.Tensor]) -> bool:
+        """Were this spec's leaves freed or written in place since it was specialised?"""
+        if not self.leaf_refs:
+            return False
+        for ref, ver, cur in zip(self.leaf_refs, self.leaf_versions, leaves):
+            old = ref()
+            if old is None:
+                continue  # freed: the previous step's tensor is gone
+            if old is cur and ver is not None and not cur.is_inference() and cur._version != ver:
+                continue  # same object written in place
+            return False
+        return True
+
+
+@dataclass
+class ConeState:
+    result: ConeResult
+    memo: ConeMemo
+    kind: str
+
+    def evaluate(self, leaves: tuple) -> _Entry:
+        """Run the cone on these leaves: one real sync. Stores the value in the memo."""
+        module = self.result.module
+        assert module is not None
+        with torch.no_grad():
+            out = module(*leaves)
+            value = _CONVERT[self.kind](out)
+        key = value_key(value)
+        return self.memo.store(leaves, key, value)
+
+    def current(self, leaves: tuple) -> tuple[_Entry, bool]:
+        """(entry, synced): the memoized value, or a fresh one computed with one sync."""
+        e = self.memo.lookup(leaves)
+        if e is not None:
+            return e, False
+        return self.evaluate(leaves), True
+
+
+@dataclass
+class SiteState:
+    code: Any
+    offset: int
+    kind: str
+    site: SiteKey
+    source: str
+    code_name: str
+    cones: dict = field(default_factory=dict)  # fingerprint -> ConeState
+    specs: dict = field(default_factory=dict)  # value key -> Spec
+    last_spec: Optional[Spec] = None
+    demoted: Optional[Reason] = None
+    demoted_detail: str = ""
+    guard_syncs: int = 0
+    guard_hits: int = 0
+
+
+_sites: dict[tuple, SiteState] = {}
+_recorded: set = set()
+_lock = threading.RLock()
+
+
+def reset() -> None:
+    """Forget every site's state, memo and records (pairs with ``torch._dynamo.reset()``)."""
+    with _lock:
+        _sites.clear()
+        _recorded.clear()
+    DECISIONS.clear()
+
+
+def sites() -> list[SiteState]:
+    with _lock:
+        return list(_sites.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# The policy Dynamo asks at each sync
+# ----------------------------------------------------------------------------------------------
+def _record(state: SiteState, action: Action, reason: Reason, detail: str = "", value: Any = None,
+            leaves: tuple = (), compile_id: Optional[str] = None) -> None:
+    key = (compile_id, state.code, state.offset, state.kind, action)
+    with _lock:
+        if compile_id is not None and key in _recorded:
+            return  # Dynamo restarted the trace: do not count the same decision twice
+        _recorded.add(key)
+    d = Decision(
+        site=state.site,
+        kind=state.kind,
+        action=action,
+        reason=reason,
+        code=state.code_name,
+        source=state.source,
+        detail=detail,
+        value="" if value is None else repr(value),
+        leaves=leaves,
+        compile_id=compile_id or "",
+    )
+    DECISIONS.add(d)
+    counters()[action.value] += 1
+    if action is Action.HOISTED:
+        log.info("nosync: hoisted %s: %s = %r (guarded on %s)", state.site, state.source, value,
+                 ", ".join(leaves) or "nothing")
+    else:
+        log.info("nosync: %s %s: %s: %s%s", action.value, state.site, state.source, reason.value,
+                 f" ({detail})" if detail else "")
+    _trace_structured(d)
+
+
+def _trace_structured(d: Decision) -> None:
+    try:
+        import json
+
+        torch._logging.trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": "nosync_decision", "encoding": "json"},
+            payload_fn=lambda: json.dumps(d.to_json()),
+        )
+    except Exception:  # structured tracing is best effort
+        log.debug("nosync: trace_structured failed", exc_info=True)
+
+
+def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
+    """The policy: (True, value) to hoist, (False, why_not) to leave the sync to Dynamo."""
+    key = (site.code, site.offset, site.kind)
+    compile_id = dynamo_hooks.current_compile_id()
+    with _lock:
+        state = _sites.get(key)
+        if state is None:
+            state = SiteState(site.code, site.offset, site.kind, SiteKey(site.file, site.line),
+                              site.source_line, site.code_name)
+            _sites[key] = state
+    if state.demoted is not None:
+        _record(state, Action.REJECTED, Reason.DISABLED, state.demoted.value, compile_id=compile_id)
+        return False, f"demoted earlier: {state.demoted.value}"
+
+    result = analyze_cone(site.node, site.leaves, declared=opts.invariant,
+                          in_root_tracer=site.in_root_tracer)
+    if not result.ok:
+        _record(state, Action.REJECTED, result.reason, result.detail, compile_id=compile_id)
+        return False, _why(result.reason, result.detail)
+
+    fp = result.fingerprint
+    cone = state.cones.get(fp)
+    if cone is None:
+        identity_only = tuple(l.inference for l in result.leaves)
+        cone = ConeState(result, ConeMemo(identity_only), site.kind)
+        state.cones[fp] = cone
+    leaves = tuple(result.leaf_examples)
+    try:
+        entry, synced = cone.current(leaves)
+    except Exception as e:
+        detail = f"{type(e).__name__}: {e}"
+        _record(state, Action.REJECTED, Reason.EVAL_FAILED, detail, compile_id=compile_id)
+        return False, _why(Reason.EVAL_FAILED, detail)
+    value = entry.value
+    if not _hoistable(value):
+        detail = f"value of type {type(value).__name__}"
+        _record(state, Action.REJECTED, Reason.UNSUPPORTED_VALUE, detail, compile_id=compile_id)
+        return False, _why(Reason.UNSUPPORTED_VALUE, detail)
+
+    spec = state.specs.get(entry.key)
+    if spec is None:
+        demote = _demotion(state, result, leaves, opts)
+        if demote is not None:
+            reason, detail = demote
+            state.demoted, state.demoted_detail = reason, detail
+            _record(state, Action.DEMOTED, reason, detail, compile_id=compile_id)
+            return False, f"demoted: {reason.value}"
+        if state.specs:
+            counters()["recompiles"] += 1
+        spec = Spec(
+            value,
+            entry.key,
+            leaf_refs=tuple(weakref.ref(t) for t in leaves),
+            leaf_versions=tuple(None if t.is_inference() else t._version for t in leaves),
+        )
+        state.specs[entry.key] = spec
+    state.last_spec = spec
+
+    srcs = [l.source for l in result.leaves]
+    check = make_guard(state, cone, spec, srcs)
+    dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r}")
+    _record(state, Action.HOISTED, Reason.INVARIANT_CONE,
+            "speculated invariant" if result.speculative else "", value,
+            tuple(l.name for l in result.leaves), compile_id=compile_id)
+    return True, value
+
+
+def _why(reason: Reason, detail: str) -> str:
+    return reason.value + (f" ({detail})" if detail else "")
+
+
+def _demotion(state: SiteState, result: ConeResult, leaves: tuple, opts: Any) -> Optional[tuple[Reason, str]]:
+    if len(state.specs) >= opts.max_specializations:
+        return Reason.TOO_MANY_VALUES, (
+            f"{len(state.specs) + 1} distinct values > max_specializations={opts.max_specializations}"
+        )
+    last = state.last_spec
+    all_declared = all(l.declared for l in result.leaves)
+    if last is not None and not all_declared and last.hits == 0 and last.leaves_changed(list(leaves)):
+        return Reason.LEAVES_CHANGE, "the value changed on the call right after it was specialised"
+    return None
+
+
+def make_guard(state: SiteState, cone: ConeState, spec: Spec, sources: list[str]) -> Callable:
+    getter = dynamo_hooks.leaf_getter(sources)
+    spec_key = spec.key
+    memo = cone.memo
+    c = counters()
+
+    def check(L: Any, G: Any) -> bool:
+        if state.demoted is not None:
+            return False  # the stock entry compiled after demotion serves this call
+        try:
+            leaves = getter(L, G)
+            e = memo.lookup(leaves)
+            if e is None:
+                e = cone.evaluate(leaves)
+                state.guard_syncs += 1
+                c["guard_syncs"] += 1
+            else:
+                state.guard_hits += 1
+                c["guard_hits"] += 1
+        except Exception:
+            log.debug("nosync guard for %s failed; treating as a miss", state.site, exc_info=True)
+            return False
+        if e.key == spec_key:
+            spec.hits += 1
+            return True
+        return False
+
+    return check

@@ -1,0 +1,45 @@
+"""Symbolic sizes and the hoisting decision.
+
+With ``dynamic=True`` (or after an automatic-dynamic recompile) Dynamo gives tensors symbolic sizes
+``s0, s1, ...`` (sympy symbols in the ShapeEnv). A hoisted constant is specialised on the concrete
+value computed from concrete leaves; if a leaf's size is symbolic, the same compiled graph serves
+leaves of other sizes, for which the hoisted value would be stale unless the guard also pinned the
+size. Rather than pin sizes that the user asked to keep dynamic, the pass rejects such cones and
+says which symbols it saw.
+
+Because the pass replaces a sync by a Python constant *before* Dynamo turns it into an unbacked
+symbol, no ``u0``-style symbols or runtime asserts are created for a hoisted site: there is nothing
+left to fold afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import sympy
+import torch
+
+
+def free_symbols_of(*values: Any) -> set[sympy.Symbol]:
+    """Free sympy symbols in the sizes/strides/values of (fake) tensors and SymInts."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    out: set[sympy.Symbol] = set()
+    for v in values:
+        if v is None:
+            continue
+        if isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+            try:
+                out |= set(free_symbols(v))
+            except Exception:  # tensors without a shape env
+                pass
+        elif isinstance(v, (list, tuple)):
+            out |= free_symbols_of(*v)
+    return out
+
+
+def describe(what: str, symbols: Iterable[sympy.Symbol]) -> str:
+    names = sorted(str(s) for s in symbols)
+    if not names:
+        return f"{what} is symbolic"
+    return f"{what} has symbolic size(s) {', '.join(names)} (dynamic shapes)"
