@@ -1,0 +1,904 @@
+"""Count host synchronizations (or what would be one on a GPU) without changing torch.compile.
+
+Why two sources: a sync is a host read of device data, and no single probe sees all of them.
+
+* Python-level interception of the ``torch.Tensor`` methods that read data on the host
+  (``item``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``tolist``, ``numpy``,
+  ``cpu``/``to("cpu")``, ``nonzero``, ``equal``, ``masked_select``, boolean-mask
+  ``__getitem__``/``__setitem__``). It gives the exact user line, the kind and the value read.
+  ``.tolist()`` on a CPU tensor dispatches no aten op, so only this probe sees it.
+* The autograd profiler, for the paths no method wrapper sees: ``torch.equal(a, b)``,
+  ``torch.nonzero(x)``, ``aten::_local_scalar_dense`` run inside a compiled graph, and on CUDA the
+  ``cudaStreamSynchronize``/``cudaDeviceSynchronize``/DtoH ``cudaMemcpyAsync`` runtime calls. Each
+  intercepted call runs inside a ``torchsync_pass::<kind>`` profiler range, so the aten events it
+  causes are not counted twice. Its Python tracer also gives the calls of each enclosing function.
+
+NOTE: no ``TorchDispatchMode``/``TorchFunctionMode`` is used: with one active Dynamo runs the
+compiled function eagerly. Dynamo traces tensor methods by name, never through the class
+attribute, so the wrappers do not change what it captures; the wrappers' own frames are marked
+"skip" for Dynamo (see ``_hide_from_dynamo``) so it does not try to compile them when compiled code
+calls them after a graph break.
+
+Where the tensor lives decides what counts: on a run without an accelerator every host read is
+counted as the sync it would be on a GPU (``SyncCounts.mode == "cpu-as-device"``). With an
+accelerator, reads of device tensors are counted and reads of CPU-resident tensors are listed apart
+as host-local (``host_local``), not in ``total``.
+
+Syncs run by Dynamo/Inductor while compiling are kept apart in ``compile_time``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .report import SiteKey
+
+log = logging.getLogger(__name__)
+
+__all__ = ["count_syncs", "SyncCounts", "SiteStats", "CudaCounts", "KINDS"]
+
+#: Every kind this module reports, with what the user wrote.
+KINDS = {
+    "item": ".item()",
+    "bool": "bool(t) / truthiness",
+    "int": "int(t)",
+    "float": "float(t)",
+    "index": "t.__index__() (range(t), seq[t])",
+    "tolist": ".tolist()",
+    "numpy": ".numpy()",
+    "cpu": ".cpu() / .to('cpu')",
+    "nonzero": "nonzero",
+    "mask_index": "x[bool_mask]",
+    "mask_assign": "x[bool_mask] = v",
+    "equal": "torch.equal",
+    "masked_select": "masked_select",
+    "local_scalar_dense": "other aten::_local_scalar_dense",
+}
+
+_MAX_VALUES = 64  # distinct values remembered per site
+_MAX_HASHED_NUMEL = 4096  # larger results are not hashed (their values count as unknown)
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_RESUME_RE = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+_BUILTIN_RE = re.compile(r"^<built-in (?:method|function) (\w+)")
+_PY_EVENT_RE = re.compile(r"^(.*)\((\d+)\): (.+)$")
+
+_TB = torch._C.TensorBase
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# Result objects
+# --------------------------------------------------------------------------------------------
+@dataclass
+class SiteStats:
+    """Everything seen at one user source line."""
+
+    site: SiteKey
+    function: str = ""
+    count: int = 0
+    host_local: int = 0
+    kinds: collections.Counter = field(default_factory=collections.Counter)
+    devices: set = field(default_factory=set)
+    values: dict = field(default_factory=dict)  # value key -> short repr (at most _MAX_VALUES)
+    values_overflow: bool = False
+    values_unknown: int = 0  # reads whose value was not recorded
+    calls: int | None = None  # calls of the enclosing function, from the profiler's Python tracer
+    line_exact: bool = True  # False when the line was inferred from the function's source
+    _code_key: tuple | None = None
+
+    @property
+    def kind(self) -> str:
+        """The most frequent kind at this site (``a+b`` when several)."""
+        if not self.kinds:
+            return "?"
+        return "+".join(k for k, _ in self.kinds.most_common())
+
+    @property
+    def source(self) -> str:
+        return self.site.source()
+
+    @property
+    def distinct_values(self) -> int | None:
+        """How many distinct values the site returned; None when none was recorded."""
+        if not self.values:
+            return None
+        return len(self.values)
+
+    @property
+    def hoisting_candidate(self) -> bool:
+        """One value across several reads and nothing unknown: request-invariant so far."""
+        return (
+            self.distinct_values == 1
+            and not self.values_unknown
+            and (self.count + self.host_local) > 1
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.site.file,
+            "line": self.site.line,
+            "kind": self.kind,
+            "kinds": dict(self.kinds),
+            "count": self.count,
+            "host_local": self.host_local,
+            "source": self.source,
+            "function": self.function,
+            "calls": self.calls,
+            "distinct_values": self.distinct_values,
+            "distinct_values_capped": self.values_overflow,
+            "values": list(self.values.values())[:8],
+            "devices": sorted(self.devices),
+            "hoisting_candidate": self.hoisting_candidate,
+            "line_exact": self.line_exact,
+        }
+
+
+@dataclass
+class CudaCounts:
+    """CUDA runtime calls that block the host, from the profiler (zero without CUDA)."""
+
+    stream_synchronize: int = 0
+    device_synchronize: int = 0
+    dtoh_memcpy: int = 0
+    by_site: dict = field(default_factory=collections.Counter)
+
+    @property
+    def total(self) -> int:
+        return self.stream_synchronize + self.device_synchronize + self.dtoh_memcpy
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cudaStreamSynchronize": self.stream_synchronize,
+            "cudaDeviceSynchronize": self.device_synchronize,
+            "dtoh_cudaMemcpyAsync": self.dtoh_memcpy,
+            "by_site": {str(k): v for k, v in self.by_site.items()},
+        }
+
+
+class SyncCounts:
+    """What ``count_syncs()`` saw. Also the context manager itself.
+
+    ``total``       syncs (host reads of device data; every read on a CPU-only run)
+    ``by_kind``     {kind: count}, kinds as in ``KINDS``
+    ``by_site``     {SiteKey(file, line): count}
+    ``sites``       {SiteKey: SiteStats} with source text, kinds, distinct values, calls
+    ``host_local``  {SiteKey: count} of reads of CPU-resident tensors on an accelerator run
+    ``compile_time`` syncs run while Dynamo/Inductor compiled (not in ``total``)
+    ``cuda``        CudaCounts
+    """
+
+    def __init__(self, *, profiler: bool = True, stacks: bool = True) -> None:
+        self.want_profiler = profiler
+        self.want_stacks = stacks
+        self.mode = "device" if _accelerator_available() else "cpu-as-device"
+        self.total = 0
+        self.by_kind: dict[str, int] = collections.Counter()
+        self.by_site: dict[SiteKey, int] = collections.Counter()
+        self.host_local: dict[SiteKey, int] = collections.Counter()
+        self.sites: dict[SiteKey, SiteStats] = {}
+        self.compile_time = 0
+        self.cuda = CudaCounts()
+        self.profiled = False
+        self.notes: list[str] = []
+        self._lock = threading.Lock()
+        self._py_calls: collections.Counter = collections.Counter()
+        self._active = False
+
+    # context manager -----------------------------------------------------------------------
+    def __enter__(self) -> SyncCounts:
+        if self._active:
+            raise RuntimeError("this SyncCounts is already active; call count_syncs() again")
+        self._active = True
+        _SESSION.enter(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            _SESSION.exit(self)
+        finally:
+            self._active = False
+            self._resolve_calls()
+
+    # recording -----------------------------------------------------------------------------
+    def _stats(self, site: SiteKey, function: str, code_key: tuple | None) -> SiteStats:
+        st = self.sites.get(site)
+        if st is None:
+            st = self.sites[site] = SiteStats(site=site, function=function, _code_key=code_key)
+        return st
+
+    def _add(self, ev: _Event) -> None:
+        with self._lock:
+            if ev.compile_time:
+                self.compile_time += 1
+                return
+            st = self._stats(ev.site, ev.function, ev.code_key)
+            st.line_exact = st.line_exact and ev.line_exact
+            st.kinds[ev.kind] += 1
+            if ev.device:
+                st.devices.add(ev.device)
+            host_local = self.mode == "device" and ev.device == "cpu"
+            if host_local:
+                st.host_local += 1
+                self.host_local[ev.site] += 1
+            else:
+                st.count += 1
+                self.total += 1
+                self.by_kind[ev.kind] += 1
+                self.by_site[ev.site] += 1
+            if ev.value_key is _UNKNOWN:
+                st.values_unknown += 1
+            elif ev.value_key not in st.values:
+                if len(st.values) < _MAX_VALUES:
+                    st.values[ev.value_key] = ev.value_repr
+                else:
+                    st.values_overflow = True
+
+    def _add_py_calls(self, calls: collections.Counter) -> None:
+        with self._lock:
+            self._py_calls.update(calls)
+
+    def _resolve_calls(self) -> None:
+        """Fill SiteStats.calls from the Python tracer's function-call events."""
+        if not self._py_calls:
+            return
+        index: dict[tuple[str, str], list[tuple[str, int, int]]] = collections.defaultdict(list)
+        for (efile, first, name), n in self._py_calls.items():
+            index[(os.path.basename(efile), name)].append((efile, first, n))
+        for st in self.sites.values():
+            if st._code_key is None:
+                continue
+            filename, first, name = st._code_key
+            m = _RESUME_RE.match(name)
+            if m:  # a Dynamo resume function: count calls of the function it resumes
+                name, first = m.group(1), None
+            cands = [
+                (f, n)
+                for efile, f, n in index.get((os.path.basename(filename), name), ())
+                if filename.endswith(efile) or efile.endswith(filename)
+            ]
+            if first is not None:
+                cands = [(f, n) for f, n in cands if f == first]
+            elif len({f for f, _ in cands}) > 1:  # ambiguous: the closest def above the site
+                above = [f for f, _ in cands if f <= st.site.line]
+                best = max(above) if above else None
+                cands = [(f, n) for f, n in cands if f == best]
+            if cands:
+                st.calls = sum(n for _, n in cands)
+
+    # reading -------------------------------------------------------------------------------
+    def source(self, site: SiteKey) -> str:
+        return site.source()
+
+    def sorted_sites(self) -> list[SiteStats]:
+        return sorted(
+            self.sites.values(), key=lambda s: (-(s.count + s.host_local), s.site.file, s.site.line)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "profiled": self.profiled,
+            "totals": {
+                "syncs": self.total,
+                "host_local": sum(self.host_local.values()),
+                "compile_time": self.compile_time,
+                "by_kind": dict(self.by_kind),
+            },
+            "sites": [s.to_json() for s in self.sorted_sites()],
+            "cuda": self.cuda.to_json(),
+            "notes": list(self.notes),
+        }
+
+    def summary(self) -> str:
+        lines = [f"{self.total} host syncs ({self.mode})"]
+        for st in self.sorted_sites():
+            lines.append(f"  {st.site}: {st.kind} x{st.count}  {st.source}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"SyncCounts(total={self.total}, by_kind={dict(self.by_kind)})"
+
+
+def count_syncs(*, profiler: bool = True, stacks: bool = True) -> SyncCounts:
+    """Count host syncs in the ``with`` block, on any device, without changing torch.compile.
+
+    ``profiler=False`` uses the method interception only (cheaper; misses ``torch.equal(a, b)``,
+    ``torch.nonzero(x)`` and syncs inside compiled graphs). ``stacks=False`` keeps the profiler
+    but drops its Python tracer: no enclosing-function call counts, and profiler-only syncs are
+    attributed to the caller of the intercepted region only when known.
+
+    Contexts may nest; each one sees what ran while it was active.
+    """
+    return SyncCounts(profiler=profiler, stacks=stacks)
+
+
+# --------------------------------------------------------------------------------------------
+# Events and sites
+# --------------------------------------------------------------------------------------------
+_UNKNOWN = object()
+_KNOWN_FILES: set[str] = set()  # user files seen, to map the profiler's trimmed paths back
+
+
+def register_file(path: str) -> None:
+    """Name a file as the program runs it, so profiler-only sites use the same path."""
+    _KNOWN_FILES.add(path)
+
+
+@dataclass
+class _Event:
+    kind: str
+    site: SiteKey
+    function: str
+    code_key: tuple | None
+    device: str = ""
+    value_key: Any = _UNKNOWN
+    value_repr: str = ""
+    compile_time: bool = False
+    line_exact: bool = True
+
+
+def _is_internal_file(filename: str) -> bool:
+    return (
+        filename.startswith(_TORCH_DIR)
+        or filename.startswith(_OWN_DIR)
+        or filename.startswith("<eval_with_key>")
+    )
+
+
+def _user_frame(frame: Any) -> Any:
+    """The first frame outside torch, torchsync_pass and FX-generated code (None if none)."""
+    while frame is not None and _is_internal_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def _function_name(code: Any) -> str:
+    name = getattr(code, "co_qualname", code.co_name)
+    m = _RESUME_RE.match(code.co_name)
+    return m.group(1) if m else name
+
+
+def _site_of(frame: Any) -> tuple[SiteKey, str, tuple | None]:
+    uf = _user_frame(frame)
+    if uf is None:
+        return SiteKey("<torch>", 0), "", None
+    code = uf.f_code
+    _KNOWN_FILES.add(code.co_filename)
+    return (
+        SiteKey(code.co_filename, uf.f_lineno or code.co_firstlineno),
+        _function_name(code),
+        (code.co_filename, code.co_firstlineno, code.co_name),
+    )
+
+
+def _value_key(kind: str, out: Any) -> tuple[Any, str]:
+    """A hashable, bounded key for the value a sync returned, and a short repr."""
+    try:
+        if isinstance(out, float):
+            return ("f", out.hex()), repr(out)  # bitwise: -0.0 != 0.0, nan == nan
+        if isinstance(out, (bool, int, complex)):
+            return (type(out).__name__, out), repr(out)
+        if kind in ("nonzero", "mask_index", "masked_select") and isinstance(out, torch.Tensor):
+            shape = tuple(out.shape)
+            return ("shape", shape), f"shape {shape}"
+        if isinstance(out, list):
+            flat = repr(out)
+            if len(flat) > 20000:
+                return _UNKNOWN, ""
+            return ("list", hashlib.blake2b(flat.encode(), digest_size=12).digest()), _short(flat)
+        if isinstance(out, torch.Tensor):
+            if out.numel() > _MAX_HASHED_NUMEL or out.device.type != "cpu":
+                return _UNKNOWN, ""
+            data = repr(_TB.tolist(out.detach()))
+            key = (str(out.dtype), tuple(out.shape), hashlib.blake2b(data.encode(), digest_size=12).digest())
+            return key, _short(data)
+        if hasattr(out, "tobytes") and getattr(out, "size", _MAX_HASHED_NUMEL + 1) <= _MAX_HASHED_NUMEL:
+            key = (str(out.dtype), tuple(out.shape), hashlib.blake2b(out.tobytes(), digest_size=12).digest())
+            return key, _short(repr(out))
+    except Exception:  # a value we cannot key is not worth failing the user's program
+        log.debug("could not key a %s value", kind, exc_info=True)
+    return _UNKNOWN, ""
+
+
+def _short(s: str, n: int = 60) -> str:
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+# --------------------------------------------------------------------------------------------
+# Dynamo-internal access (kept to this one function)
+# --------------------------------------------------------------------------------------------
+def _hide_from_dynamo(fns: list[Callable[..., Any]]) -> None:
+    """Tell Dynamo never to compile the wrappers' frames (nor what they call).
+
+    NOTE: Dynamo-internal: ``set_code_exec_strategy`` with ``FrameAction.SKIP`` (what
+    ``torch._dynamo.eval_frame.skip_code`` does, applied recursively). Without it, compiled code
+    that calls a wrapper after a graph break makes Dynamo try to compile the wrapper frame, which
+    adds a graph-break record to the user's counters. Fallback: warn once and carry on.
+    Importing Dynamo here, before the wrappers are installed, also keeps its snapshot of the
+    tensor methods (``variables.tensor.all_tensor_attrs``) free of the wrappers.
+    """
+    try:
+        import torch._dynamo  # noqa: F401
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        for fn in fns:
+            set_code_exec_strategy(
+                fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+            )
+    except Exception:
+        log.warning(
+            "torchsync_pass: could not mark the sync counter's wrappers as skipped for Dynamo; "
+            "graph-break counts under count_syncs() may include the counter's own frames",
+            exc_info=True,
+        )
+
+
+def _in_compilation() -> bool:
+    """True while Dynamo/AOT/Inductor compile (their host reads are not the program's)."""
+    try:
+        return torch._guards.CompileContext.current_compile_id() is not None
+    except Exception:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Method interception
+# --------------------------------------------------------------------------------------------
+_TLS = threading.local()
+
+
+def _target_is_cpu(args: tuple, kwargs: dict) -> bool:
+    dev = kwargs.get("device")
+    if dev is None and args:
+        a = args[0]
+        if isinstance(a, (str, torch.device)):
+            dev = a
+        elif isinstance(a, torch.Tensor):
+            dev = a.device
+    if dev is None:
+        return False
+    try:
+        return torch.device(dev).type == "cpu"
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _is_mask(i: Any) -> bool:
+    return isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES
+
+
+def _has_mask(idx: Any) -> bool:
+    if type(idx) is tuple:
+        return any(_is_mask(i) for i in idx)
+    return _is_mask(idx)
+
+
+def _classify(name: str, self: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
+    if name in _ALWAYS:
+        return _ALWAYS[name]
+    if name == "cpu" or (name == "to" and _target_is_cpu(args, kwargs)):
+        # A copy to the host: a sync from a device; on a CPU-only run it would be one on a GPU.
+        if self.device.type != "cpu" or not _SESSION.accelerator:
+            return "cpu"
+        return None
+    if name == "__getitem__":
+        return "mask_index" if args and _has_mask(args[0]) else None
+    if name == "__setitem__":
+        return "mask_assign" if args and _has_mask(args[0]) else None
+    return None
+
+
+_ALWAYS = {
+    "item": "item",
+    "__bool__": "bool",
+    "__int__": "int",
+    "__float__": "float",
+    "__index__": "index",
+    "tolist": "tolist",
+    "numpy": "numpy",
+    "nonzero": "nonzero",
+    "equal": "equal",
+    "masked_select": "masked_select",
+}
+_PATCHED = [*_ALWAYS, "cpu", "to", "__getitem__", "__setitem__"]
+
+
+def _record(kind: str, self: torch.Tensor, out: Any, frame: Any) -> None:
+    if _in_compilation():
+        ev = _Event(kind, SiteKey("<compile>", 0), "", None, compile_time=True)
+    else:
+        site, fn, code_key = _site_of(frame)
+        vkey, vrepr = (_UNKNOWN, "") if kind == "mask_assign" else _value_key(kind, out)
+        try:
+            device = self.device.type
+        except Exception:
+            device = ""
+        ev = _Event(kind, site, fn, code_key, device, vkey, vrepr)
+    for rec in _SESSION.recorders():
+        rec._add(ev)
+
+
+def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(self, *args, **kwargs):
+        if getattr(_TLS, "depth", 0) or not _SESSION.active:
+            return orig(self, *args, **kwargs)
+        kind = _classify(name, self, args, kwargs)
+        if kind is None:
+            return orig(self, *args, **kwargs)
+        _TLS.depth = 1
+        try:
+            if _SESSION.profiling:
+                with torch._C._profiler._RecordFunctionFast("torchsync_pass::" + kind):
+                    out = orig(self, *args, **kwargs)
+            else:
+                out = orig(self, *args, **kwargs)
+            _record(kind, self, out, sys._getframe(1))
+        finally:
+            _TLS.depth = 0
+        return out
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = getattr(orig, "__doc__", None)
+    wrapper._torchsync_orig = orig  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _Patcher:
+    """Installs the method wrappers on ``torch.Tensor`` while any counter is active."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, Any] = {}
+        self.hidden = False
+
+    def install(self) -> None:
+        wrappers = {}
+        for name in _PATCHED:
+            in_dict = name in torch.Tensor.__dict__
+            self.saved[name] = torch.Tensor.__dict__[name] if in_dict else _MISSING
+            wrappers[name] = _make_wrapper(name, getattr(torch.Tensor, name))
+        if not self.hidden:
+            # all wrappers share one code object; _record and helpers run under its SKIP
+            _hide_from_dynamo([next(iter(wrappers.values()))])
+            self.hidden = True
+        for name, w in wrappers.items():
+            setattr(torch.Tensor, name, w)
+
+    def uninstall(self) -> None:
+        for name, old in self.saved.items():
+            if old is _MISSING:
+                with contextlib.suppress(AttributeError):
+                    delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, old)
+        self.saved.clear()
+
+
+_MISSING = object()
+
+
+# --------------------------------------------------------------------------------------------
+# Profiler
+# --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Kineto prints 'profiler_start/stop' lines on fd 2; keep them out of the user's output."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
+def _accelerator_available() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+class _Profiler:
+    def __init__(self, stacks: bool) -> None:
+        self.stacks = stacks
+        self.prof: Any = None
+
+    def start(self) -> bool:
+        if torch.autograd.profiler._is_profiler_enabled:
+            return False
+        from torch.autograd.profiler import profile
+
+        self.prof = profile(
+            use_kineto=True,
+            use_device="cuda" if _accelerator_available() else None,
+            with_stack=self.stacks,
+            record_shapes=False,
+        )
+        with _quiet_stderr():
+            self.prof.__enter__()
+        return True
+
+    def stop(self) -> list[Any]:
+        prof, self.prof = self.prof, None
+        if prof is None:
+            return []
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
+        try:
+            return list(prof.kineto_results.events())
+        except Exception:
+            log.warning("torchsync_pass: could not read profiler events", exc_info=True)
+            return []
+
+
+_SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::masked_select"}
+_OP_KIND = {
+    "aten::item": "item",
+    "aten::is_nonzero": "bool",
+    "aten::equal": "equal",
+    "aten::nonzero": "nonzero",
+    "aten::masked_select": "masked_select",
+    "aten::index": "mask_index",
+    "aten::index_put_": "mask_assign",
+    "aten::_index_put_impl_": "mask_assign",
+    "aten::_local_scalar_dense": "local_scalar_dense",
+}
+_CUDA_SYNC = {"cudaStreamSynchronize": "stream", "cudaDeviceSynchronize": "device"}
+
+
+@dataclass
+class _Ev:
+    name: str
+    start: int
+    end: int
+    tid: int
+    is_py: bool
+    corr: int = 0
+
+
+def _name(e: Any) -> str | None:
+    try:
+        return e.name()
+    except Exception:  # some Python-tracer names are not valid UTF-8
+        return None
+
+
+def _py_user_event(name: str) -> tuple[str, int, str] | None:
+    m = _PY_EVENT_RE.match(name)
+    if not m:
+        return None
+    efile = m.group(1)
+    if (
+        efile.startswith(("torch/", "torchsync_pass/", "<"))
+        or "/torch/" in efile
+        or efile.startswith(_OWN_DIR)
+        or efile.startswith(_TORCH_DIR)
+    ):
+        return None
+    return efile, int(m.group(2)), m.group(3)
+
+
+def _guess_line(
+    efile: str, first: int, fname: str, op: tuple[str, bool] | None
+) -> tuple[SiteKey, bool]:
+    """The line of ``op(`` in the function that starts at ``efile:first`` (first match).
+
+    The profiler's Python tracer knows the function, not the line; for syncs only the profiler
+    sees (``torch.equal(a, b)``), look for the call in the function's source.
+    """
+    import linecache
+
+    path = _find_file(efile)
+    if op:
+        name, function_form = op
+        prefix = r"(?:\btorch\.|(?<![.\w]))" if function_form else r"\."
+        pat = re.compile(prefix + re.escape(name) + r"\s*\(")
+        lines = linecache.getlines(path)
+        if 0 < first <= len(lines):
+            head = lines[first - 1]
+            indent = len(head) - len(head.lstrip())
+            for i in range(first, len(lines)):
+                text = lines[i]
+                if text.strip() and (len(text) - len(text.lstrip())) <= indent:
+                    break
+                if pat.search(text):
+                    return SiteKey(path, i + 1), True
+    return SiteKey(path, first), False
+
+
+def _find_file(efile: str) -> str:
+    for known in _KNOWN_FILES:
+        if known.endswith(os.sep + efile) or known == efile:
+            return known
+    for p in sys.path:
+        cand = os.path.join(p or os.getcwd(), efile)
+        if os.path.exists(cand):
+            return cand
+    return efile
+
+
+def _process_events(raw: list[Any], mode: str) -> tuple[list[_Event], collections.Counter, CudaCounts]:
+    """Turn raw profiler events into sync events the method wrappers did not already record."""
+    evs: dict[int, list[_Ev]] = collections.defaultdict(list)
+    py_calls: collections.Counter = collections.Counter()
+    gpu_dtoh: set[int] = set()
+    cuda = CudaCounts()
+    for e in raw:
+        name = _name(e)
+        if name is None:
+            continue
+        try:
+            is_py = e.is_python_function()
+            if str(e.device_type()).endswith("CUDA"):
+                if name.startswith("Memcpy DtoH"):
+                    gpu_dtoh.add(e.correlation_id())
+                continue
+            ev = _Ev(name, e.start_ns(), e.end_ns(), e.start_thread_id(), is_py, e.correlation_id())
+        except Exception:
+            continue
+        if is_py:
+            u = _py_user_event(name)
+            if u is not None:
+                py_calls[u] += 1
+        evs[ev.tid].append(ev)
+
+    out: list[_Event] = []
+    for tid_events in evs.values():
+        tid_events.sort(key=lambda x: (x.start, -x.end))
+        stack: list[_Ev] = []
+        counted: set[int] = set()
+        for ev in tid_events:
+            while stack and not (stack[-1].start <= ev.start and ev.end <= stack[-1].end):
+                stack.pop()
+            is_sync_op = ev.name in _SYNC_OPS
+            is_cuda_sync = ev.name in _CUDA_SYNC or (
+                ev.name == "cudaMemcpyAsync" and ev.corr in gpu_dtoh
+            )
+            if is_sync_op or is_cuda_sync:
+                site, fn, code_key, exact = _attribute(stack)
+                if is_cuda_sync:
+                    if ev.name == "cudaStreamSynchronize":
+                        cuda.stream_synchronize += 1
+                    elif ev.name == "cudaDeviceSynchronize":
+                        cuda.device_synchronize += 1
+                    else:
+                        cuda.dtoh_memcpy += 1
+                    cuda.by_site[site] += 1
+                elif not any(
+                    s.name.startswith("torchsync_pass::") for s in stack
+                ):  # the wrappers recorded this one already
+                    compile_time = any(s.name.endswith("(dynamo_timed)") for s in stack)
+                    outer = next((s for s in stack if not s.is_py and s.name in _OP_KIND), ev)
+                    if id(outer) not in counted:
+                        counted.add(id(outer))
+                        kind = _OP_KIND.get(outer.name, "local_scalar_dense")
+                        device = "cpu" if mode == "cpu-as-device" else ""
+                        out.append(
+                            _Event(kind, site, fn, code_key, device, compile_time=compile_time,
+                                   line_exact=exact)
+                        )
+            stack.append(ev)
+    # NOTE: on an accelerator run a profiler-only read has no tensor device attached; it is
+    # counted as a sync (most are reads of device tensors inside compiled graphs).
+    return out, py_calls, cuda
+
+
+def _attribute(stack: list[_Ev]) -> tuple[SiteKey, str, tuple | None, bool]:
+    op = None
+    for s in reversed(stack):
+        if not s.is_py:
+            continue
+        m = _BUILTIN_RE.match(s.name)
+        if m:
+            if op is None:
+                op = (m.group(1), " of Tensor object" not in s.name)
+            continue
+        u = _py_user_event(s.name)
+        if u is not None:
+            efile, first, fname = u
+            site, exact = _guess_line(efile, first, fname, op)
+            return site, fname, (site.file, first, fname), exact
+    return SiteKey("<unknown>", 0), "", None, False
+
+
+# --------------------------------------------------------------------------------------------
+# The process-wide session: one set of wrappers, one profiler, many (nested) counters
+# --------------------------------------------------------------------------------------------
+class _Session:
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._recs: list[SyncCounts] = []
+        self._patcher = _Patcher()
+        self._prof: _Profiler | None = None
+        self.active = False
+        self.profiling = False
+        self.accelerator = False
+
+    def recorders(self) -> list[SyncCounts]:
+        return list(self._recs)
+
+    def enter(self, rec: SyncCounts) -> None:
+        with self._lock:
+            self._flush()
+            if not self._recs:
+                self.accelerator = _accelerator_available()
+                self._patcher.install()
+            self._recs.append(rec)
+            self.active = True
+            self._restart()
+            if rec.want_profiler and not self.profiling:
+                rec.notes.append(
+                    "another profiler was active: only Python-level interception was used "
+                    "(torch.equal(a, b), torch.nonzero(x) and in-graph syncs are not counted)"
+                )
+
+    def exit(self, rec: SyncCounts) -> None:
+        with self._lock:
+            self._flush()
+            self._recs.remove(rec)
+            if not self._recs:
+                self.active = False
+                self._patcher.uninstall()
+            self._restart()
+
+    def _restart(self) -> None:
+        want = [r for r in self._recs if r.want_profiler]
+        if not want:
+            return
+        prof = _Profiler(stacks=any(r.want_stacks for r in want))
+        try:
+            ok = prof.start()
+        except Exception:
+            log.warning("torchsync_pass: could not start the profiler", exc_info=True)
+            ok = False
+        if ok:
+            self._prof = prof
+            self.profiling = True
+            for r in want:
+                r.profiled = True
+
+    def _flush(self) -> None:
+        prof, self._prof = self._prof, None
+        self.profiling = False
+        if prof is None:
+            return
+        raw = prof.stop()
+        recs = [r for r in self._recs if r.want_profiler]
+        if not raw or not recs:
+            return
+        mode = recs[0].mode
+        events, py_calls, cuda = _process_events(raw, mode)
+        for r in recs:
+            for ev in events:
+                r._add(ev)
+            r._add_py_calls(py_calls)
+            r.cuda.stream_synchronize += cuda.stream_synchronize
+            r.cuda.device_synchronize += cuda.device_synchronize
+            r.cuda.dtoh_memcpy += cuda.dtoh_memcpy
+            r.cuda.by_site.update(cuda.by_site)
+
+
+_SESSION = _Session()
