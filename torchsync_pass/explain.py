@@ -1,0 +1,548 @@
+"""``python -m torchsync_pass.explain [--json] [--max-syncs N] script.py [args...]``
+
+Runs a user script as ``__main__`` the way ``python -m cProfile`` does (its own ``sys.argv``, its
+folder first on ``sys.path``, its exit code kept) under ``count_syncs()`` and prints:
+
+* the host-sync sites sorted by count: ``file:line``, kind, count, calls of the enclosing
+  function, distinct values (one value over many reads marks a hoisting candidate);
+* for every function compiled with ``torch.compile`` in the run: frames, graphs, graph breaks with
+  reason and user location (sync-caused ones marked), recompiles, in the spirit of
+  ``torch._dynamo.explain``'s "Graph Count / Break Reasons / User Stack". That helper compiles with
+  its own backend and so cannot show what the real backend (nosync) did; this report watches the
+  real run instead;
+* the nosync backend's decisions (``torchsync_pass.report.DECISIONS``), also marked in the table.
+
+``--json`` prints one JSON object instead (the script's own stdout then goes to stderr so stdout
+stays parseable). ``--max-syncs N`` exits 1 when the run syncs more than N times (a CI gate).
+Exit status: the script's own; 1 when it raised; 2 when the script cannot be read or compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import contextlib
+import io
+import json
+import logging
+import os
+import re
+import sys
+import traceback
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+from .report import DECISIONS, Decision, SiteKey
+
+log = logging.getLogger(__name__)
+
+PROG = "python -m torchsync_pass.explain"
+_RESUME_RE = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+_SYNC_REASON_RE = re.compile(
+    r"item\(\)|tolist|data.dependent|generic_jump|nonzero|dynamic output shape|"
+    r"_local_scalar_dense|__bool__|\.numpy\(\)|torch\.equal|Tensor\.equal",
+    re.IGNORECASE,
+)
+
+
+class _UsageError(Exception):
+    """The script cannot be run at all: one line on stderr, exit 2."""
+
+
+# --------------------------------------------------------------------------------------------
+# What Dynamo compiled
+# --------------------------------------------------------------------------------------------
+@dataclass
+class GraphBreak:
+    file: str
+    line: int
+    reason: str
+    compile_id: str | None = None
+    user_stack: list[str] = field(default_factory=list)
+    sync: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "line": self.line,
+            "reason": self.reason,
+            "sync": self.sync,
+            "compile_id": self.compile_id,
+            "user_stack": self.user_stack,
+        }
+
+
+@dataclass
+class CompiledFunction:
+    name: str
+    file: str
+    line: int
+    frames: set = field(default_factory=set)
+    graphs: int = 0
+    ops: int = 0
+    compiles: list = field(default_factory=list)  # compile ids
+    recompiles: list = field(default_factory=list)  # (compile id, reason)
+    failures: list = field(default_factory=list)
+    breaks: list = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "function": self.name,
+            "file": self.file,
+            "line": self.line,
+            "frames": len(self.frames),
+            "graphs": self.graphs,
+            "graph_ops": self.ops,
+            "graph_breaks": [b.to_json() for b in self.breaks],
+            "sync_graph_breaks": sum(b.sync for b in self.breaks),
+            "recompiles": [{"compile_id": c, "reason": r} for c, r in self.recompiles],
+            "failures": self.failures,
+            "compile_ids": self.compiles,
+        }
+
+
+class _BreakHandler(logging.Handler):
+    """Collects Dynamo's graph-break log records (the ``graph_breaks`` artifact)."""
+
+    _HEAD = re.compile(
+        r"Graph break in user code at (?P<file>.+?):(?P<line>\d+)\n"
+        r"Graph Break Reason: (?P<reason>.*?)(?:\n\s*\nUser code traceback:\n(?P<stack>.*))?$",
+        re.DOTALL,
+    )
+
+    def __init__(self, compile_id_fn: Any) -> None:
+        super().__init__(logging.DEBUG)
+        self.compile_id_fn = compile_id_fn
+        self.breaks: list[GraphBreak] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            cid = self.compile_id_fn()
+            if record.args and "suppressed" in str(record.msg):
+                file, line, reason = record.args[:3]  # type: ignore[misc]
+                self.breaks.append(GraphBreak(str(file), int(line), _first_para(str(reason)), cid))
+                return
+            m = self._HEAD.match(record.getMessage())
+            if not m:
+                return
+            stack = [
+                ln.rstrip() for ln in (m.group("stack") or "").splitlines() if ln.strip()
+            ][-8:]
+            self.breaks.append(
+                GraphBreak(m.group("file"), int(m.group("line")), _first_para(m.group("reason")),
+                           cid, stack)
+            )
+        except Exception:  # a report detail must never break the user's run
+            pass
+
+
+def _first_para(reason: str) -> str:
+    """The informative line of a break reason (Dynamo prefixes a generic 'Encountered ...')."""
+    paras = [p.strip() for p in reason.strip().split("\n\n") if p.strip()]
+    for p in paras:
+        if not p.startswith("Encountered graph break when attempting to trace"):
+            return p.splitlines()[0].strip()
+    return paras[0].splitlines()[0].strip() if paras else ""
+
+
+class _CompileWatcher:
+    """Watches what Dynamo compiles during the run.
+
+    NOTE: Dynamo-internal, and only here: the compilation-metrics records
+    (``torch._dynamo.utils.get_compilation_metrics``, one per frame compile: code name/file/line,
+    graph op count, compile id, recompile and failure reasons), the ``graph_breaks`` artifact
+    logger of ``torch._dynamo.symbolic_convert`` (reason and user stack of each break) and
+    ``torch._guards.CompileContext`` (which compile a break belongs to). Any of these missing
+    leaves the "compiled" section empty with a note, never a failed run.
+    """
+
+    def __init__(self) -> None:
+        self.ok = False
+        self.note = ""
+        self._seen: set[int] = set()
+        self._handler: _BreakHandler | None = None
+        self._logger: logging.Logger | None = None
+        self._saved: tuple = ()
+        self._old_limit: int | None = None
+
+    def start(self) -> None:
+        try:
+            import torch
+            import torch._dynamo  # noqa: F401
+            from torch._dynamo import utils as dutils
+
+            self._dutils = dutils
+            self._seen = {id(m) for m in dutils.get_compilation_metrics()}
+            self._old_limit = getattr(dutils._compilation_metrics, "maxlen", None)
+            dutils.set_compilation_metrics_limit(1_000_000)
+            self._logger = torch._logging.getArtifactLogger(
+                "torch._dynamo.symbolic_convert", "graph_breaks"
+            )
+            lg = self._logger
+            self._saved = (lg.level, lg.propagate)
+            user_enabled = lg.isEnabledFor(logging.DEBUG)
+            self._handler = _BreakHandler(
+                lambda: _str_or_none(torch._guards.CompileContext.current_compile_id())
+            )
+            lg.addHandler(self._handler)
+            if not user_enabled:  # TORCH_LOGS=graph_breaks not set: collect, print nothing
+                lg.setLevel(logging.DEBUG)
+                lg.propagate = False
+            self.ok = True
+        except Exception as e:
+            self.note = f"compiled-function info unavailable on this torch ({e!r})"
+            log.debug("compile watcher not started", exc_info=True)
+
+    def stop(self) -> list[CompiledFunction]:
+        if not self.ok:
+            return []
+        try:
+            lg = self._logger
+            assert lg is not None and self._handler is not None
+            lg.removeHandler(self._handler)
+            lg.setLevel(self._saved[0])
+            lg.propagate = self._saved[1]
+            metrics = [m for m in self._dutils.get_compilation_metrics() if id(m) not in self._seen]
+            if self._old_limit:
+                self._dutils.set_compilation_metrics_limit(self._old_limit)
+            return _group(metrics, self._handler.breaks)
+        except Exception as e:
+            self.note = f"compiled-function info unavailable on this torch ({e!r})"
+            log.debug("compile watcher failed", exc_info=True)
+            return []
+
+
+def _str_or_none(x: Any) -> str | None:
+    return None if x is None else str(x)
+
+
+def _group(metrics: list[Any], breaks: list[GraphBreak]) -> list[CompiledFunction]:
+    funcs: dict[tuple, CompiledFunction] = {}
+    by_cid: dict[str, CompiledFunction] = {}
+    # originals first so resume functions find their function's first line
+    ordered = sorted(metrics, key=lambda m: bool(_RESUME_RE.match(m.co_name or "")))
+    for m in ordered:
+        if not m.co_name or m.is_runtime:
+            continue
+        rm = _RESUME_RE.match(m.co_name)
+        name = rm.group(1) if rm else m.co_name
+        key = next(
+            (k for k in funcs if rm and k[0] == m.co_filename and k[1] == name),
+            (m.co_filename, name, m.co_firstlineno),
+        )
+        cf = funcs.get(key)
+        if cf is None:
+            cf = funcs[key] = CompiledFunction(name, m.co_filename or "?", m.co_firstlineno or 0)
+        cid = m.compile_id or "?"
+        cf.compiles.append(cid)
+        by_cid[cid] = cf
+        frame_id, _, attempt = cid.partition("/")
+        cf.frames.add(frame_id)
+        if m.graph_op_count:
+            cf.graphs += 1
+            cf.ops += m.graph_op_count
+        if attempt not in ("", "0"):
+            cf.recompiles.append((cid, (m.recompile_reason or "").strip()))
+        if m.fail_reason:
+            cf.failures.append(f"{m.fail_type}: {m.fail_reason}".strip())
+    for b in breaks:
+        cf = by_cid.get(b.compile_id or "")
+        if cf is None:  # unknown compile: put it with a function of the same file
+            cf = next((f for f in funcs.values() if f.file == b.file), None)
+        if cf is not None:
+            cf.breaks.append(b)
+    return list(funcs.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Running the script
+# --------------------------------------------------------------------------------------------
+def _load(path: str) -> types.CodeType:
+    try:
+        with io.open_code(path) as f:
+            src = f.read()
+    except OSError as e:
+        raise _UsageError(f"can't open file {path!r}: {e.strerror or e}") from None
+    try:
+        return compile(src, path, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        where = f"{e.filename or path}:{e.lineno or 0}:{e.offset or 0}"
+        raise _UsageError(f"{where}: {type(e).__name__}: {e.msg}") from None
+    except ValueError as e:  # null bytes
+        raise _UsageError(f"{path}: {e}") from None
+
+
+@dataclass
+class _Outcome:
+    exit_code: int = 0
+    exc: BaseException | None = None
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def _run(code: types.CodeType, path: str, args: list[str], stdout_to_stderr: bool) -> _Outcome:
+    main_mod = types.ModuleType("__main__")
+    main_mod.__dict__.update(
+        {"__file__": path, "__builtins__": builtins, "__cached__": None, "__spec__": None,
+         "__loader__": None, "__package__": None}
+    )
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_main = sys.modules.get("__main__")
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    sys.modules["__main__"] = main_mod
+    out = _Outcome()
+    redirect = contextlib.redirect_stdout(sys.stderr) if stdout_to_stderr else contextlib.nullcontext()
+    try:
+        with redirect:
+            exec(code, main_mod.__dict__)
+    except SystemExit as e:
+        out.exit_code = _exit_code(e)
+    except BaseException as e:  # noqa: BLE001 - the report comes first, then the traceback
+        out.exit_code = 1
+        out.exc = e
+    finally:
+        sys.argv[:] = saved_argv
+        sys.path[:] = saved_path
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+    return out
+
+
+def _print_traceback(exc: BaseException) -> None:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+def _same_file(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        return os.path.abspath(a) == os.path.abspath(b) or os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _mark_sync_breaks(funcs: list[CompiledFunction], sites: list[SiteKey]) -> None:
+    for cf in funcs:
+        for b in cf.breaks:
+            at_site = any(s.line == b.line and _same_file(s.file, b.file) for s in sites)
+            b.sync = at_site or bool(_SYNC_REASON_RE.search(b.reason))
+
+
+def build_report(
+    script: str, args: list[str], outcome: _Outcome, counts: Any, funcs: list[CompiledFunction],
+    decisions: list[Decision], notes: list[str],
+) -> dict[str, Any]:
+    latest: dict[SiteKey, Decision] = {}
+    for d in decisions:
+        latest[d.site] = d
+    body = counts.to_json()
+    sites = []
+    for st in counts.sorted_sites():
+        j = st.to_json()
+        d = _decision_for(st.site, latest)
+        j["nosync"] = None if d is None else {"action": d.action.value, "reason": d.reason.name}
+        sites.append(j)
+    return {
+        "script": script,
+        "argv": [script, *args],
+        "exit_code": outcome.exit_code,
+        "mode": body["mode"],
+        "totals": body["totals"],
+        "sites": sites,
+        "compiled": [cf.to_json() for cf in funcs],
+        "nosync": [d.to_json() for d in decisions],
+        "cuda": body["cuda"],
+        "notes": body["notes"] + notes,
+    }
+
+
+def _decision_for(site: SiteKey, latest: dict[SiteKey, Decision]) -> Decision | None:
+    d = latest.get(site)
+    if d is not None:
+        return d
+    return next(
+        (v for k, v in latest.items() if k.line == site.line and _same_file(k.file, site.file)),
+        None,
+    )
+
+
+def _rel(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+        return rel if not rel.startswith("..") else path
+    except ValueError:
+        return path
+
+
+def render_text(rep: dict[str, Any], max_sites: int = 40) -> str:
+    out: list[str] = []
+    t = rep["totals"]
+    out.append(f"torchsync_pass explain: {rep['script']} (exit {rep['exit_code']})")
+    out.append("=" * 78)
+    mode_note = (
+        "CPU-only run: every host read is counted as the sync it would be on a GPU"
+        if rep["mode"] == "cpu-as-device"
+        else "accelerator run: reads of CPU-resident tensors are listed as host-local"
+    )
+    out.append(f"Host syncs: {t['syncs']}   ({mode_note})")
+    if t.get("host_local"):
+        out.append(f"Host-local reads (CPU tensors, not syncs): {t['host_local']}")
+    if t.get("compile_time"):
+        out.append(f"Reads during compilation (not counted): {t['compile_time']}")
+    if t["by_kind"]:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(t["by_kind"].items(), key=lambda x: -x[1]))
+        out.append(f"By kind: {kinds}")
+    cuda = rep.get("cuda") or {}
+    if any(cuda.get(k) for k in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "dtoh_cudaMemcpyAsync")):
+        out.append(
+            "CUDA: cudaStreamSynchronize {0}, cudaDeviceSynchronize {1}, DtoH cudaMemcpyAsync {2}".format(
+                cuda["cudaStreamSynchronize"], cuda["cudaDeviceSynchronize"], cuda["dtoh_cudaMemcpyAsync"]
+            )
+        )
+    out.append("")
+    out.append("Sync sites (by count)")
+    sites = rep["sites"]
+    if not sites:
+        out.append("  (none)")
+    else:
+        out.append(f"  {'count':>6} {'kind':<12} {'calls':>6} {'values':>7}  site")
+        for s in sites[:max_sites]:
+            calls = "-" if s["calls"] is None else str(s["calls"])
+            dv = s["distinct_values"]
+            vals = "?" if dv is None else (f">{dv}" if s["distinct_values_capped"] else str(dv))
+            n = s["count"] + s["host_local"]
+            flags = []
+            if s["hoisting_candidate"]:
+                flags.append(f"hoisting candidate: one value ({s['values'][0]})" if s["values"]
+                             else "hoisting candidate")
+            if s["host_local"]:
+                flags.append(f"host-local x{s['host_local']}")
+            if s["nosync"]:
+                flags.append(f"nosync: {s['nosync']['action']}")
+            if not s["line_exact"]:
+                flags.append("line inferred")
+            out.append(f"  {n:>6} {s['kind']:<12} {calls:>6} {vals:>7}  {_rel(s['file'])}:{s['line']}")
+            if s["source"]:
+                out.append(f"  {'':>35}{s['source']}")
+            if flags:
+                out.append(f"  {'':>35}[{'; '.join(flags)}]")
+        if len(sites) > max_sites:
+            out.append(f"  ... {len(sites) - max_sites} more sites (see --json)")
+    out.append("")
+    out.append("Compiled functions")
+    if not rep["compiled"]:
+        out.append("  (none compiled with torch.compile in this run)")
+    for cf in rep["compiled"]:
+        out.append(f"  {cf['function']}  ({_rel(cf['file'])}:{cf['line']})")
+        out.append(
+            f"    Frames: {cf['frames']}   Graph Count: {cf['graphs']}   "
+            f"Graph Break Count: {len(cf['graph_breaks'])} ({cf['sync_graph_breaks']} from syncs)   "
+            f"Recompiles: {len(cf['recompiles'])}"
+        )
+        if cf["graph_breaks"]:
+            out.append("    Break Reasons:")
+            for i, b in enumerate(cf["graph_breaks"], 1):
+                tag = "[sync] " if b["sync"] else ""
+                reason = b["reason"].splitlines()[0] if b["reason"] else "?"
+                out.append(f"      {i}. {tag}{_rel(b['file'])}:{b['line']}: {reason}")
+                src = SiteKey(b["file"], b["line"]).source()
+                if src:
+                    out.append(f"         User Stack: ... {src}")
+        for cid, reason in ((r["compile_id"], r["reason"]) for r in cf["recompiles"]):
+            out.append(f"    Recompile {cid}: {reason.splitlines()[0] if reason else '?'}")
+        for f in cf["failures"]:
+            out.append(f"    Compile failure: {f.splitlines()[0]}")
+    out.append("")
+    out.append("nosync decisions")
+    if not rep["nosync"]:
+        out.append("  (none: the nosync backend did not run)")
+    for d in rep["nosync"]:
+        val = f" = {d['value']}" if d.get("value") else ""
+        out.append(f"  {_rel(d['site']['file'])}:{d['site']['line']}: {d['action']} {d['kind']}{val}")
+        out.append(f"      {d['reason_text']}{' (' + d['detail'] + ')' if d.get('detail') else ''}")
+    for n in rep["notes"]:
+        out.append(f"note: {n}")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run a script and report its host syncs, graph breaks and nosync decisions.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--max-syncs", type=int, metavar="N", default=None,
+                   help="exit 1 when the run syncs more than N times (CI gate)")
+    p.add_argument("--max-sites", type=int, metavar="N", default=40,
+                   help="sites shown in the text report (default 40)")
+    p.add_argument("--no-profiler", action="store_true",
+                   help="count with method interception only (faster; misses torch.equal(a, b), "
+                   "torch.nonzero(x) and syncs inside compiled graphs)")
+    p.add_argument("script", help="the Python script to run as __main__")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI in-process; returns the exit status instead of exiting."""
+    try:
+        ns = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # argparse: usage error (2) or --help (0)
+        return _exit_code(e)
+    try:
+        code = _load(ns.script)
+    except _UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+    from . import counting
+
+    counting.register_file(ns.script)
+    n_decisions = len(DECISIONS.all())
+    watcher = _CompileWatcher()
+    watcher.start()
+    counter = counting.count_syncs(profiler=not ns.no_profiler)
+    with counter:
+        outcome = _run(code, ns.script, list(ns.args), stdout_to_stderr=ns.json)
+    funcs = watcher.stop()
+    _mark_sync_breaks(funcs, list(counter.sites))
+    notes = [watcher.note] if watcher.note else []
+    rep = build_report(
+        ns.script, list(ns.args), outcome, counter, funcs, DECISIONS.all()[n_decisions:], notes
+    )
+    if ns.json:
+        print(json.dumps(rep, indent=2, default=str))
+    else:
+        print(render_text(rep, ns.max_sites))
+    sys.stdout.flush()
+    if outcome.exc is not None:
+        _print_traceback(outcome.exc)
+    status = outcome.exit_code
+    if ns.max_syncs is not None and counter.total > ns.max_syncs:
+        print(f"{PROG}: {counter.total} host syncs > --max-syncs {ns.max_syncs}", file=sys.stderr)
+        status = status or 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
