@@ -1,0 +1,281 @@
+"""count_syncs(): per-kind counts, per-line sites, eager == compiled, and no effect on Dynamo."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from torchsync_pass import SiteKey, count_syncs
+
+HERE = __file__
+
+
+def line_of(fn, marker: str) -> int:
+    """1-based line in this file of the line in ``fn`` that contains ``marker``."""
+    src, first = inspect.getsourcelines(fn)
+    hits = [first + i for i, text in enumerate(src) if marker in text]
+    assert len(hits) == 1, f"marker {marker!r} found {len(hits)} times"
+    return hits[0]
+
+
+def assert_counts(c, expected_kind: dict[str, int], total: int | None = None) -> None:
+    assert dict(c.by_kind) == expected_kind, c.summary()
+    assert c.total == (sum(expected_kind.values()) if total is None else total), c.summary()
+
+
+# --- one small function per kind, each with a known count ---------------------------------
+X = torch.arange(6.0)
+MASK = X > 2
+
+
+def k_item(x):
+    return x.sum().item()
+
+
+def k_bool(x):
+    return 1 if (x > 0).any() else 0
+
+
+def k_int(x):
+    return int(x.argmax())
+
+
+def k_float(x):
+    return float(x[1])
+
+
+def k_index(x):
+    return [10, 20, 30][x[1].long()]
+
+
+def k_tolist(x):
+    return x.tolist()
+
+
+def k_numpy(x):
+    return x.numpy()
+
+
+def k_cpu(x):
+    return x.cpu(), x.to("cpu"), x.to(torch.float64)  # the dtype cast is not a sync
+
+
+def k_nonzero(x):
+    return x.nonzero(), torch.nonzero(x)
+
+
+def k_mask_index(x):
+    return x[x > 2]
+
+
+def k_mask_assign(x):
+    y = x.clone()
+    y[y > 2] = 0.0
+    return y
+
+
+def k_equal(x):
+    return torch.equal(x, x), x.equal(x)
+
+
+def k_masked_select(x):
+    return torch.masked_select(x, x > 2)
+
+
+@pytest.mark.parametrize(
+    "fn,expected",
+    [
+        (k_item, {"item": 1}),
+        (k_bool, {"bool": 1}),
+        (k_int, {"int": 1}),
+        (k_float, {"float": 1}),
+        (k_index, {"index": 1}),
+        (k_tolist, {"tolist": 1}),
+        (k_numpy, {"numpy": 1}),
+        (k_cpu, {"cpu": 2}),
+        (k_nonzero, {"nonzero": 2}),
+        (k_mask_index, {"mask_index": 1}),
+        (k_mask_assign, {"mask_assign": 1}),
+        (k_equal, {"equal": 2}),
+        (k_masked_select, {"masked_select": 1}),
+    ],
+    ids=lambda v: v.__name__ if callable(v) else "",
+)
+def test_each_kind_counts(fn, expected):
+    x = X.clone()
+    with count_syncs() as c:
+        for _ in range(3):
+            fn(x)
+    assert_counts(c, {k: 3 * v for k, v in expected.items()})
+
+
+def test_no_sync_no_count():
+    with count_syncs() as c:
+        y = (X * 2 + 1).sin()[1:4]
+        y = y.to(torch.float64)
+    assert c.total == 0 and not c.by_site, c.summary()
+
+
+def test_other_local_scalar_dense_path_counted():
+    # aten::_local_scalar_dense reached from an op the wrappers do not know: run inside a
+    # compiled graph that captures .item() (capture_scalar_outputs), seen by the profiler only.
+    def f(x):
+        return x * x.sum().item()
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        cf = torch.compile(f, backend="eager", fullgraph=True)
+        with count_syncs() as c:
+            cf(X)
+            cf(X)
+    assert c.total == 2, c.summary()
+
+
+def two_sites(x):
+    a = x.sum().item()  # site-a
+    b = x.tolist()  # site-b
+    return a, b
+
+
+def test_sites_point_at_the_right_lines():
+    with count_syncs() as c:
+        for _ in range(4):
+            two_sites(X)
+    sa = SiteKey(HERE, line_of(two_sites, "# site-a"))
+    sb = SiteKey(HERE, line_of(two_sites, "# site-b"))
+    assert dict(c.by_site) == {sa: 4, sb: 4}
+    assert c.sites[sa].kind == "item" and c.sites[sb].kind == "tolist"
+    assert c.sites[sa].source == "a = x.sum().item()  # site-a"
+    assert c.sites[sa].function.endswith("two_sites")
+    assert c.sites[sa].calls == 4  # calls of the enclosing function, from the profiler
+
+
+def test_function_form_sites_point_at_their_lines():
+    def f(x):
+        n = x.nonzero()  # method-form
+        e = torch.equal(x, x)  # function-eq
+        m = torch.nonzero(x)  # function-nz
+        return n, e, m
+
+    with count_syncs() as c:
+        f(X)
+    assert c.by_site[SiteKey(HERE, line_of(f, "# method-form"))] == 1
+    assert c.by_site[SiteKey(HERE, line_of(f, "# function-eq"))] == 1
+    assert c.by_site[SiteKey(HERE, line_of(f, "# function-nz"))] == 1
+
+
+def test_value_stability():
+    def f(x, t):
+        fixed = x.sum().item()  # fixed
+        varies = t.item()  # varies
+        return fixed, varies
+
+    with count_syncs() as c:
+        for i in range(5):
+            f(X, torch.tensor(float(i)))
+    fixed = c.sites[SiteKey(HERE, line_of(f, "# fixed"))]
+    varies = c.sites[SiteKey(HERE, line_of(f, "# varies"))]
+    assert fixed.distinct_values == 1 and fixed.hoisting_candidate
+    assert varies.distinct_values == 5 and not varies.hoisting_candidate
+
+
+def step(x, flags):
+    y = x * 2
+    s = flags.sum().item()  # step-item
+    if (flags > 0).any():  # step-bool
+        y = y + s
+    n = int(flags.argmax())  # step-int
+    return y * n
+
+
+def test_eager_and_compiled_counts_match():
+    x, flags = torch.ones(4), torch.tensor([1.0, 0.0, 2.0])
+    with count_syncs() as eager:
+        for _ in range(3):
+            step(x, flags)
+    cf = torch.compile(step, backend="eager")
+    cf(x, flags)  # compile outside the counter
+    with count_syncs() as compiled:
+        for _ in range(3):
+            cf(x, flags)
+    assert eager.total == 9
+    assert dict(compiled.by_kind) == dict(eager.by_kind)
+    assert dict(compiled.by_site) == dict(eager.by_site)
+    assert compiled.by_site[SiteKey(HERE, line_of(step, "# step-bool"))] == 3
+
+
+def test_counter_does_not_change_what_dynamo_compiles():
+    x, flags = torch.ones(4), torch.tensor([1.0, 0.0, 2.0])
+
+    def compile_and_run(counting: bool):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        cnt = CompileCounterWithBackend("eager")
+        cf = torch.compile(step, backend=cnt)
+        if counting:
+            with count_syncs() as c:
+                for _ in range(3):
+                    cf(x, flags)
+            assert c.total == 9, c.summary()
+        else:
+            for _ in range(3):
+                cf(x, flags)
+        breaks = dict(torch._dynamo.utils.counters["graph_break"])
+        return cnt.frame_count, cnt.op_count, [g.code for g in cnt.graphs], breaks
+
+    without = compile_and_run(False)
+    with_counter = compile_and_run(True)
+    assert without[0] >= 3  # the syncs really split the function
+    assert with_counter == without
+
+
+def test_compile_time_reads_kept_apart():
+    # compiling inside the counter: Dynamo's own tracing must not add syncs to the total
+    x, flags = torch.ones(4), torch.tensor([1.0, 0.0, 2.0])
+    cf = torch.compile(step, backend="eager")
+    with count_syncs() as c:
+        cf(x, flags)
+    assert c.total == 3, c.summary()
+
+
+def test_nested_counters_each_see_their_block():
+    with count_syncs() as outer:
+        k_item(X)
+        with count_syncs() as inner:
+            k_tolist(X)
+            torch.equal(X, X)
+        k_item(X)
+    assert dict(inner.by_kind) == {"tolist": 1, "equal": 1}
+    assert dict(outer.by_kind) == {"item": 2, "tolist": 1, "equal": 1}
+
+
+def test_wrappers_removed_after_exit():
+    before = {n: torch.Tensor.__dict__.get(n) for n in ("item", "__bool__", "__getitem__")}
+    with count_syncs():
+        assert torch.Tensor.__dict__.get("item") is not None
+    after = {n: torch.Tensor.__dict__.get(n) for n in ("item", "__bool__", "__getitem__")}
+    assert after == before
+
+
+def test_interception_only_mode():
+    with count_syncs(profiler=False) as c:
+        k_item(X)
+        torch.equal(X, X)  # function form: only the profiler sees it
+    assert dict(c.by_kind) == {"item": 1}
+    assert not c.profiled
+
+
+@pytest.mark.cuda
+def test_cuda_counts_runtime_syncs_and_host_local_reads():
+    x = torch.arange(4.0, device="cuda")
+    host = torch.arange(4.0)
+    with count_syncs() as c:
+        x.sum().item()
+        x.cpu()
+        host.sum().item()  # CPU-resident: host-local, not a sync
+    assert dict(c.by_kind) == {"item": 1, "cpu": 1}
+    assert sum(c.host_local.values()) == 1
+    assert c.cuda.total >= 2
+    assert c.cuda.dtoh_memcpy >= 2
