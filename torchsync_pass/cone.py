@@ -93,11 +93,12 @@ class ConeResult:
     module: Optional[fx.GraphModule] = None
     speculative: bool = False  # some leaf is an undeclared input (auto mode)
 
+    signature: tuple = ()  # the cone's ops, independent of node names
+
     @property
     def fingerprint(self) -> tuple:
-        """What identifies the computation: leaf sources plus the cone's code."""
-        code = self.module.code if self.module is not None else ""
-        return (tuple(l.source for l in self.leaves), code)
+        """What identifies the computation: leaf sources plus the cone's ops."""
+        return (tuple(l.source for l in self.leaves), self.signature)
 
 
 def dotted_name(source: str) -> str:
@@ -256,8 +257,21 @@ def analyze_cone(
 
     module = extract_cone(graph, node, leaf_nodes, cone_nodes)
     return ConeResult(
-        True, Reason.INVARIANT_CONE, "", infos, examples, module=module, speculative=speculative
+        True, Reason.INVARIANT_CONE, "", infos, examples, module=module, speculative=speculative,
+        signature=signature(module.graph),
     )
+
+
+def signature(graph: fx.Graph) -> tuple:
+    """A name-independent description of a graph: (op, target, args-with-node-indices) per node."""
+    index: dict[fx.Node, int] = {}
+    out = []
+    for i, n in enumerate(graph.nodes):
+        index[n] = i
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: ("%", index[a]))
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", repr(n.target))
+        out.append((n.op, target, repr(args)))
+    return tuple(out)
 
 
 def _where(n: fx.Node) -> str:

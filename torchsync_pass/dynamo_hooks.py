@@ -76,7 +76,7 @@ class SyncSite:
     col: int
     in_root_tracer: bool
     fullgraph: bool
-    options: dict
+    options: Any  # the raw options of the nosync backend
     leaves: list[Leaf] = field(default_factory=list)
     _tx: Any = None  # the translator; opaque outside this module
 
@@ -131,7 +131,7 @@ def _unwrap_backend(fn: Any) -> tuple[Any, dict]:
     return None, {}
 
 
-def _nosync_options(tx: Any) -> Optional[dict]:
+def _nosync_options(tx: Any) -> Any:
     """Options dict if this frame's backend is nosync, else None (stock Dynamo)."""
     if _policy is None or getattr(_state, "busy", False):
         return None
@@ -142,8 +142,10 @@ def _nosync_options(tx: Any) -> Optional[dict]:
     backend, kwargs = _unwrap_backend(compiler_fn)
     if backend is None:
         return None
-    opts = kwargs.get("options") or getattr(backend, "options", None) or {}
-    return dict(opts)
+    opts = kwargs.get("options")
+    if opts is None:
+        opts = getattr(backend, "options", None)
+    return {} if opts is None else opts
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,6 +319,13 @@ def current_compile_id() -> Optional[str]:
 
     cid = CompileContext.current_compile_id()
     return None if cid is None else str(cid)
+
+
+def compiling() -> bool:
+    """True while Dynamo compiles a frame in this thread (it evaluates new guards then too)."""
+    from torch._guards import CompileContext
+
+    return CompileContext.current_compile_id() is not None
 
 
 def is_fake(t: Any) -> bool:

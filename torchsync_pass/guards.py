@@ -23,6 +23,7 @@ recompile; the demoted site's old guards then fail at once, without a sync.
 
 from __future__ import annotations
 
+import gc
 import logging
 import operator
 import struct
@@ -91,7 +92,7 @@ def _fingerprint(t: torch.Tensor, identity_only: bool) -> tuple:
     return (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype)
 
 
-@dataclass
+@dataclass(eq=False)  # NOTE: never compare entries by value: weakref == compares the tensors
 class _Entry:
     refs: tuple
     fps: tuple
@@ -121,11 +122,8 @@ class ConeMemo:
                 if fps == e.fps:
                     if i:
                         with self.lock:
-                            try:
-                                self.entries.remove(e)
-                                self.entries.insert(0, e)
-                            except ValueError:
-                                pass
+                            entries = [e] + [x for x in self.entries if x is not e]
+                            self.entries = entries
                     return e
         return None
 
@@ -155,6 +153,10 @@ class Spec:
         """Were this spec's leaves freed or written in place since it was specialised?"""
         if not self.leaf_refs:
             return False
+        if any(ref() is not None and ref() is not cur for ref, cur in zip(self.leaf_refs, leaves)):
+            # NOTE: a tensor dropped by the caller can still sit in a reference cycle (Dynamo's
+            # frame state); collect once so "freed" means freed. Only reached on a recompile.
+            gc.collect()
         for ref, ver, cur in zip(self.leaf_refs, self.leaf_versions, leaves):
             old = ref()
             if old is None:
@@ -290,13 +292,16 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         _record(state, Action.REJECTED, result.reason, result.detail, compile_id=compile_id)
         return False, _why(result.reason, result.detail)
 
+    # NOTE: the state keeps weak references only; holding the leaf tensors here would keep a
+    # step-varying input alive and hide that it changes every step.
+    leaves = tuple(result.leaf_examples)
+    result.leaf_examples = []
     fp = result.fingerprint
     cone = state.cones.get(fp)
     if cone is None:
         identity_only = tuple(l.inference for l in result.leaves)
         cone = ConeState(result, ConeMemo(identity_only), site.kind)
         state.cones[fp] = cone
-    leaves = tuple(result.leaf_examples)
     try:
         entry, synced = cone.current(leaves)
     except Exception as e:
@@ -355,6 +360,7 @@ def _demotion(state: SiteState, result: ConeResult, leaves: tuple, opts: Any) ->
 
 def make_guard(state: SiteState, cone: ConeState, spec: Spec, sources: list[str]) -> Callable:
     getter = dynamo_hooks.leaf_getter(sources)
+    compiling = dynamo_hooks.compiling
     spec_key = spec.key
     memo = cone.memo
     c = counters()
@@ -362,21 +368,26 @@ def make_guard(state: SiteState, cone: ConeState, spec: Spec, sources: list[str]
     def check(L: Any, G: Any) -> bool:
         if state.demoted is not None:
             return False  # the stock entry compiled after demotion serves this call
+        # NOTE: Dynamo also evaluates fresh guards while it compiles (on the trace's own inputs);
+        # only evaluations at call time count as hits or guard syncs.
+        runtime = not compiling()
         try:
             leaves = getter(L, G)
             e = memo.lookup(leaves)
             if e is None:
                 e = cone.evaluate(leaves)
-                state.guard_syncs += 1
-                c["guard_syncs"] += 1
-            else:
+                if runtime:
+                    state.guard_syncs += 1
+                    c["guard_syncs"] += 1
+            elif runtime:
                 state.guard_hits += 1
                 c["guard_hits"] += 1
         except Exception:
             log.debug("nosync guard for %s failed; treating as a miss", state.site, exc_info=True)
             return False
         if e.key == spec_key:
-            spec.hits += 1
+            if runtime:
+                spec.hits += 1
             return True
         return False
 

@@ -1,0 +1,402 @@
+"""The nosync backend on the eager codegen: hoisting, guards, demotion, recompile budget.
+
+Every test compares with eager bitwise (torch.equal plus dtype/shape/stride): codegen="eager" runs
+the FX graph itself, so any difference is a wrong hoisted value.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import torchsync_pass
+from torchsync_pass import Action, Reason, NosyncBackend
+from diffusion_loop import TEXT, denoise, make_model, make_request
+
+
+def local_scalar_dense(fn, *args, **kwargs):
+    """(result, number of aten::_local_scalar_dense calls) measured with the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn(*args, **kwargs)
+    n = sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense")
+    return out, n
+
+
+def assert_bitwise(a, b):
+    if isinstance(a, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_bitwise(x, y)
+        return
+    if not isinstance(a, torch.Tensor):
+        assert type(a) is type(b) and a == b, (a, b)
+        return
+    assert isinstance(b, torch.Tensor)
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
+def graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+class Compiled:
+    """A function compiled with nosync (eager codegen) that keeps count of graphs it compiled."""
+
+    def __init__(self, fn, **options):
+        options.setdefault("codegen", "eager")
+        self.backend = NosyncBackend(options)
+        self.fn = torch.compile(fn, backend=self.backend)
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    @property
+    def graphs(self) -> int:
+        return len(self.backend.compiled)
+
+
+def decisions_by_action(action):
+    return [d for d in torchsync_pass.decisions() if d.action is action]
+
+
+# --------------------------------------------------------------------------------------------
+# The example loop
+# --------------------------------------------------------------------------------------------
+def test_example_loop_one_graph_no_sync_bitwise():
+    model = make_model("tiny")
+    req = make_request("tiny")
+    step = Compiled(model)
+    with torch.no_grad():
+        x = req["x"]
+        for i in range(6):
+            t = torch.tensor(1.0 - i / 6)
+            args = (x, t, req["token_types"], req["guidance_scale"], req["grid_hw"])
+            want = model(*args)
+            got, syncs = local_scalar_dense(step, *args)
+            assert_bitwise(want, got)
+            if i >= 1:  # steady state: every hoisted value comes from the memo
+                assert syncs == 0, f"step {i}: {syncs} syncs"
+            x = x - 0.1 * got
+    assert step.graphs == 1
+    assert graph_breaks() == 0
+    hoisted = decisions_by_action(Action.HOISTED)
+    assert sorted(d.kind for d in hoisted) == ["bool", "int", "item", "item", "tolist"]
+    assert counters["nosync"]["hoisted"] == 5
+    assert counters["nosync"]["guard_syncs"] == 0  # the trace-time value sits in the memo
+
+
+def test_stock_eager_loop_has_the_syncs_nosync_removed():
+    """Control: the same step under stock Dynamo syncs at every step and breaks the graph.
+
+    Four of its five syncs reach aten::_local_scalar_dense; `.tolist()` on a CPU tensor
+    dispatches no aten op, so the profiler does not see it.
+    """
+    model = make_model("tiny")
+    req = make_request("tiny")
+    step = torch.compile(model, backend="eager")
+    args = (req["x"], torch.tensor(0.5), req["token_types"], req["guidance_scale"], req["grid_hw"])
+    with torch.no_grad():
+        step(*args)
+        _, syncs = local_scalar_dense(step, *args)
+    assert syncs == 4
+    assert graph_breaks() >= 4
+
+
+def test_new_request_costs_one_recompile_and_old_value_none():
+    model = make_model("tiny")
+    step = Compiled(model)
+    a = make_request("tiny", seed=0, guidance=4.0)
+    b = make_request("tiny", seed=1, guidance=1.0)  # CFG off: a different branch
+    with torch.no_grad():
+        for req in (a, b, a, b):
+            want = denoise(model, req, 3)
+            got = denoise(step, req, 3)
+            assert_bitwise(want, got)
+    assert step.graphs == 2
+    assert counters["nosync"]["recompiles"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Guard cases
+# --------------------------------------------------------------------------------------------
+def flag_step(x, flag):
+    if flag.any():
+        return x * 2
+    return x - 1
+
+
+def test_new_object_same_value_no_recompile():
+    step = Compiled(flag_step)
+    x = torch.arange(4.0)
+    step(x, torch.tensor([False, True]))
+    out, syncs = local_scalar_dense(step, x, torch.tensor([True, False]))
+    assert_bitwise(out, flag_step(x, torch.tensor([True, False])))
+    assert syncs == 1  # the guard re-runs the cone once for the new object
+    assert step.graphs == 1
+    assert counters["nosync"]["guard_syncs"] == 1
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        pytest.param(lambda f: f.fill_(False), id="fill_"),
+        pytest.param(lambda f: f.__setitem__(1, False), id="single-element"),
+        pytest.param(lambda f: f.view(2, 1)[1].fill_(False), id="through-view"),
+    ],
+)
+def test_in_place_write_is_seen(write):
+    step = Compiled(flag_step)
+    x = torch.arange(4.0)
+    flag = torch.tensor([False, True])
+    assert_bitwise(step(x, flag), x * 2)
+    assert_bitwise(step(x, flag), x * 2)
+    write(flag)
+    assert_bitwise(step(x, flag), x - 1)
+    assert_bitwise(step(x, flag), x - 1)
+    assert step.graphs == 2
+    assert counters["nosync"]["recompiles"] == 1
+
+
+def test_same_value_copy_no_recompile():
+    step = Compiled(flag_step)
+    x = torch.arange(4.0)
+    flag = torch.tensor([False, True])
+    step(x, flag)
+    flag.copy_(torch.tensor([True, False]))  # new version, same answer
+    out, syncs = local_scalar_dense(step, x, flag)
+    assert_bitwise(out, x * 2)
+    assert syncs == 1 and step.graphs == 1
+
+
+def test_value_flip_and_flip_back_recompile_counts():
+    step = Compiled(flag_step)
+    x = torch.arange(4.0)
+    on, off = torch.tensor([True]), torch.tensor([False])
+    for _ in range(3):
+        step(x, on)
+    assert step.graphs == 1
+    for _ in range(3):
+        assert_bitwise(step(x, off), x - 1)
+    assert step.graphs == 2
+    for flag, want in ((on, x * 2), (off, x - 1), (on, x * 2)):
+        assert_bitwise(step(x, flag), want)
+    assert step.graphs == 2
+    assert counters["nosync"]["recompiles"] == 1
+
+
+def test_interleaved_requests_do_not_resync():
+    step = Compiled(flag_step)
+    x = torch.arange(4.0)
+    a, b = torch.tensor([True]), torch.tensor([False])
+    step(x, a)
+    step(x, a)
+    step(x, b)  # second request: one guard sync + one recompile
+    step(x, b)
+    total = 0
+    for _ in range(5):  # A, B, A, B ...
+        for flag, want in ((a, x * 2), (b, x - 1)):
+            out, syncs = local_scalar_dense(step, x, flag)
+            assert_bitwise(out, want)
+            total += syncs
+    assert total == 0
+    assert step.graphs == 2
+
+
+def test_inference_tensor_undeclared_is_rejected_and_correct():
+    step = Compiled(flag_step)
+    x = torch.arange(4.0)
+    with torch.inference_mode():
+        flag = torch.tensor([True])
+    with torch.inference_mode():
+        assert_bitwise(step(x, flag), x * 2)
+    rejected = decisions_by_action(Action.REJECTED)
+    assert rejected and rejected[0].reason is Reason.INFERENCE_TENSOR
+    assert not decisions_by_action(Action.HOISTED)
+
+
+def test_inference_tensor_declared_is_hoisted_identity_only():
+    step = Compiled(flag_step, invariant=["flag"])
+    x = torch.arange(4.0)
+    with torch.inference_mode():
+        flag = torch.tensor([True])
+        other = torch.tensor([False])
+        for _ in range(3):
+            out, syncs = local_scalar_dense(step, x, flag)
+            assert_bitwise(out, x * 2)
+        assert syncs == 0
+        assert_bitwise(step(x, other), x - 1)  # a different object is seen
+    assert decisions_by_action(Action.HOISTED)[0].reason is Reason.INVARIANT_CONE
+    assert step.graphs == 2
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.tensor([True, False, True]))
+        self.inner = Inner()
+
+    def forward(self, x):
+        if self.mask.all():
+            x = x + 1
+        return self.inner(x)
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(3.0))
+
+    def forward(self, x):
+        return x * self.scale.item()  # sync inside a submodule's forward
+
+
+def test_replaced_module_buffer_and_submodule_sync():
+    m = Masked()
+    step = Compiled(m)
+    x = torch.arange(3.0)
+    assert_bitwise(step(x), m(x))
+    _, syncs = local_scalar_dense(step, x)
+    assert syncs == 0
+    hoisted = decisions_by_action(Action.HOISTED)
+    assert {d.kind for d in hoisted} == {"bool", "item"}
+    inner_site = [d for d in hoisted if d.kind == "item"][0]
+    assert "self.scale.item()" in inner_site.source
+    m.mask = torch.tensor([True, True, True])  # replaced buffer: new object, new value
+    assert_bitwise(step(x), m(x))
+    m.inner.scale = torch.tensor(5.0)
+    assert_bitwise(step(x), m(x))
+    assert step.graphs == 3
+
+
+def scaled(x, t):
+    return x * t.item()
+
+
+def test_step_varying_item_is_demoted_with_bounded_compiles():
+    x = torch.arange(3.0)
+    ts = [torch.tensor(float(i)) for i in range(8)]
+    stock = CompileCounterWithBackend("eager")
+    compiled = torch.compile(scaled, backend=stock)
+    for t in ts:
+        compiled(x, t)
+    stock_graphs = stock.frame_count
+    torch._dynamo.reset()
+
+    step = Compiled(scaled)
+    for i in range(8):
+        t = torch.tensor(float(i))  # a new timestep tensor every step; the old one is dropped
+        assert_bitwise(step(x, t), scaled(x, t))
+    demoted = decisions_by_action(Action.DEMOTED)
+    assert len(demoted) == 1 and demoted[0].reason is Reason.LEAVES_CHANGE
+    # one speculative graph, then exactly the stock graphs: at most one extra compile
+    assert step.graphs == stock_graphs + 1
+    assert counters["nosync"]["guard_syncs"] == 1  # only the failing check before demotion
+
+
+def test_max_specializations_demotes():
+    step = Compiled(flag_scale, max_specializations=2)
+    x = torch.arange(3.0)
+    scales = [torch.tensor(float(v)) for v in (1, 2, 3, 4)]
+    for s in scales:  # each value lives for three calls: not step-varying
+        for _ in range(3):
+            assert_bitwise(step(x, s), flag_scale(x, s))
+    demoted = decisions_by_action(Action.DEMOTED)
+    assert len(demoted) == 1 and demoted[0].reason is Reason.TOO_MANY_VALUES
+    graphs = step.graphs
+    for s in scales:
+        assert_bitwise(step(x, s), flag_scale(x, s))
+    assert step.graphs == graphs  # no storm after demotion
+
+
+def flag_scale(x, s):
+    return x * s.item()
+
+
+def test_step_varying_buffer_written_in_place_is_demoted():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("n", torch.tensor(0))
+
+        def forward(self, x):
+            self.n.add_(1)  # written in the graph, before the sync: never hoisted
+            return x * self.n.item()
+
+    m = Counter()
+    ref = Counter()
+    step = Compiled(m)
+    x = torch.arange(3.0)
+    for _ in range(4):
+        assert_bitwise(step(x), ref(x))
+    rejected = decisions_by_action(Action.REJECTED)
+    assert rejected and rejected[0].reason is Reason.MUTATION
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match="valid options are: invariant, codegen"):
+        NosyncBackend({"codegen": "eager", "speed": 11})
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match=r"options\['codegen'\] must be 'inductor' or 'eager'"):
+        NosyncBackend({"codegen": "tvm"})
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match="a list of input names"):
+        NosyncBackend({"invariant": "token_types"})
+
+
+# --------------------------------------------------------------------------------------------
+# Never a stale value
+# --------------------------------------------------------------------------------------------
+class Step(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(1.5))
+
+    def forward(self, x, types, cfg):
+        h = x * self.scale.item()
+        if (types == TEXT).any():
+            h = h + 1
+        n = int((types > 0).sum())
+        if cfg.item() > 1.0:
+            h = h * cfg
+        return h[:n].sum() + h
+
+
+def test_randomized_events_never_stale():
+    rng = random.Random(1234)
+    model = Step()
+    step = Compiled(model)
+    x = torch.arange(6.0)
+    requests = [
+        (torch.tensor([0, 1, 1, 2, 0, 1]), torch.tensor(2.0)),
+        (torch.tensor([1, 1, 1, 1, 1, 1]), torch.tensor(1.0)),
+        (torch.tensor([2, 0, 0, 0, 0, 0]), torch.tensor(3.0)),
+    ]
+    calls = 0
+    for _ in range(520):
+        event = rng.randrange(8)
+        types, cfg = requests[rng.randrange(len(requests))]
+        if event == 0:
+            types.fill_(rng.randrange(3))
+        elif event == 1:
+            types[rng.randrange(6)] = rng.randrange(3)
+        elif event == 2:
+            types.view(2, 3)[rng.randrange(2)].fill_(rng.randrange(3))
+        elif event == 3:
+            cfg.fill_(rng.choice([0.5, 1.0, 2.0]))
+        elif event == 4:
+            types.copy_(types.clone())  # same value, new version
+        elif event == 5:
+            i = rng.randrange(len(requests))
+            requests[i] = (requests[i][0].clone(), requests[i][1].clone())  # replaced objects
+        elif event == 6:
+            model.scale = torch.tensor(rng.choice([1.5, 0.5, -0.0]))
+        assert_bitwise(step(x, types, cfg), model(x, types, cfg))
+        calls += 1
+    assert calls >= 500
+    # bounded: demotion caps the cache entries, never the recompile limit
+    assert step.graphs <= 4 * 16
+    assert counters["nosync"]["hoisted"] > 0
