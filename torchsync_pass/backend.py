@@ -162,6 +162,12 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     compile_id = dynamo_hooks.current_compile_id()
     if opts.cudagraphs:
         _check_cudagraphs(example_inputs, compile_id)
+    reference = None
+    if opts.verify:
+        from . import verify
+
+        # NOTE: copy before codegen: Inductor's pre-grad passes rewrite gm in place.
+        reference = verify.reference_graph(gm)
     try:
         compiled = _codegen(gm, example_inputs, opts, mode)
     except Exception:
@@ -172,8 +178,13 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         compiled = gm.forward
     entry = {"graph": gm, "codegen": opts.codegen, "mode": mode, "compile_id": compile_id,
              "verified": None}
-    if opts.verify:
-        entry["verified"] = _verify(gm, compiled, example_inputs, opts)
+    if reference is not None:
+        from . import verify
+
+        entry["verified"] = verify.verify_compiled(
+            reference, compiled, example_inputs, strict=opts.strict,
+            name=f"nosync graph {compile_id or ''} ({opts.codegen})".replace("  ", " "),
+        )
     record.append(entry)
     return compiled
 
@@ -213,13 +224,6 @@ def _check_cudagraphs(example_inputs: list, compile_id: Optional[str]) -> None:
             "nosync: options['cudagraphs']=True but a sync remains in the step, so the step "
             f"cannot be captured as one CUDA graph: {sites}"
         )
-
-
-def _verify(gm: torch.fx.GraphModule, compiled: Callable, example_inputs: list, opts: Options) -> Any:
-    from . import verify
-
-    return verify.verify_compiled(gm, compiled, example_inputs, strict=opts.strict,
-                                  name=f"nosync graph ({opts.codegen})")
 
 
 def reset() -> None:
