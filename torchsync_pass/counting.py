@@ -329,6 +329,7 @@ def count_syncs(*, profiler: bool = True, stacks: bool = True) -> SyncCounts:
 # Events and sites
 # --------------------------------------------------------------------------------------------
 _UNKNOWN = object()
+_IMPORT_SITE = SiteKey("<import>", 0)
 _KNOWN_FILES: set[str] = set()  # user files seen, to map the profiler's trimmed paths back
 
 
@@ -371,10 +372,18 @@ def _function_name(code: Any) -> str:
     return m.group(1) if m else name
 
 
+def _is_import_machinery(filename: str) -> bool:
+    return filename.startswith("<frozen importlib") or filename.endswith(
+        os.sep + os.path.join("importlib", "__init__.py")
+    )
+
+
 def _site_of(frame: Any) -> tuple[SiteKey, str, tuple | None]:
     uf = _user_frame(frame)
-    if uf is None:
-        return SiteKey("<torch>", 0), "", None
+    if uf is None or _is_import_machinery(uf.f_code.co_filename):
+        # NOTE: reads done while a module is being imported (e.g. the nosync backend's
+        # import-time self-test) are not the program's: they go with the compile-time reads.
+        return _IMPORT_SITE, "", None
     code = uf.f_code
     _KNOWN_FILES.add(code.co_filename)
     return (
@@ -519,10 +528,12 @@ _PATCHED = [*_ALWAYS, "cpu", "to", "__getitem__", "__setitem__"]
 
 
 def _record(kind: str, self: torch.Tensor, out: Any, frame: Any) -> None:
-    if _in_compilation():
-        ev = _Event(kind, SiteKey("<compile>", 0), "", None, compile_time=True)
+    site, fn, code_key = (
+        (SiteKey("<compile>", 0), "", None) if _in_compilation() else _site_of(frame)
+    )
+    if site.line == 0 and site.file in ("<compile>", "<import>"):
+        ev = _Event(kind, site, "", None, compile_time=True)
     else:
-        site, fn, code_key = _site_of(frame)
         vkey, vrepr = (_UNKNOWN, "") if kind == "mask_assign" else _value_key(kind, out)
         try:
             device = self.device.type
@@ -790,7 +801,9 @@ def _process_events(raw: list[Any], mode: str) -> tuple[list[_Event], collection
                 elif not any(
                     s.name.startswith("torchsync_pass::") for s in stack
                 ):  # the wrappers recorded this one already
-                    compile_time = any(s.name.endswith("(dynamo_timed)") for s in stack)
+                    compile_time = site == _IMPORT_SITE or any(
+                        s.name.endswith("(dynamo_timed)") for s in stack
+                    )
                     outer = next((s for s in stack if not s.is_py and s.name in _OP_KIND), ev)
                     if id(outer) not in counted:
                         counted.add(id(outer))
@@ -819,6 +832,8 @@ def _attribute(stack: list[_Ev]) -> tuple[SiteKey, str, tuple | None, bool]:
         u = _py_user_event(s.name)
         if u is not None:
             efile, first, fname = u
+            if _is_import_machinery(efile) or efile.startswith("importlib/"):
+                return _IMPORT_SITE, "", None, False
             site, exact = _guess_line(efile, first, fname, op)
             return site, fname, (site.file, first, fname), exact
     return SiteKey("<unknown>", 0), "", None, False
