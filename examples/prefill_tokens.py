@@ -1,0 +1,110 @@
+"""A speech-style prefill that reads every token back to the host: the honest counter-example.
+
+Mirrors the front end of text-to-speech and speech-prompted models: the text (or phoneme) ids of a
+request are turned into per-position features by looking each id up in a table that lives on the
+Python side (a lexicon or a cache of per-token prompt features), one position at a time,
+
+    for i in range(tokens.shape[0]):
+        rows.append(self.table[tokens[i].item()])     # one host read per position
+
+and the request is prefilled in chunks, so each step of the loop sees a new chunk of tokens.
+
+These syncs are *not* request-invariant: every step reads different positions and every request
+brings new tokens, so there is nothing to hoist. The nosync backend must leave them exactly as
+stock Dynamo does (same syncs per step, same results) and its explain report must say why
+(the value depends on a tensor that changes on every call). The right fix for this pattern is in
+the model (an ``nn.Embedding`` gather instead of a host-side table), not in the compiler.
+
+Run it:  python examples/prefill_tokens.py [--backend eager|inductor|nosync] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+SIZES = {
+    # name: (table entries, feature dim, tokens per chunk, chunks per request)
+    "tiny": (64, 32, 8, 16),
+}
+
+
+class Prefill(nn.Module):
+    def __init__(self, n_entries: int, dim: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1234)
+        # A host-side table: a Python list of per-token features, not a parameter.
+        self.table = [torch.randn(dim, generator=g) for _ in range(n_entries)]
+        self.proj = nn.Linear(dim, dim)
+        self.mix = nn.Linear(2 * dim, dim)
+
+    def _apply(self, fn, recurse=True):
+        # Keep the host-side table on the module's device when it is moved (``model.to("cuda")``).
+        super()._apply(fn, recurse)
+        self.table = [fn(row) for row in self.table]
+        return self
+
+    def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for i in range(tokens.shape[0]):
+            rows.append(self.table[tokens[i].item()])  # sync: .item() per position, step-varying
+        return torch.stack(rows)
+
+    def forward(self, tokens: torch.Tensor, state: torch.Tensor):
+        feats = self.proj(self.lookup(tokens))
+        h = self.mix(torch.cat([feats, state.expand_as(feats)], dim=-1)).tanh()
+        return h, 0.9 * state + 0.1 * h.mean(dim=0, keepdim=True)
+
+
+def make_model(size: str = "tiny", seed: int = 0) -> Prefill:
+    n_entries, dim, _, _ = SIZES[size]
+    torch.manual_seed(seed)
+    return Prefill(n_entries, dim).eval()
+
+
+def make_request(size: str = "tiny", seed: int = 0):
+    """A request: the token ids of one utterance (new for every request) and the initial state."""
+    n_entries, dim, chunk, n_chunks = SIZES[size]
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "tokens": torch.randint(n_entries, (chunk * n_chunks,), generator=g),
+        "chunk": chunk,
+        "state": torch.zeros(1, dim),
+    }
+
+
+def prefill(step, request, steps: int | None = None) -> torch.Tensor:
+    """The per-request loop: each step prefills the next chunk of tokens (new values every step)."""
+    tokens, chunk, state = request["tokens"], request["chunk"], request["state"]
+    n_chunks = tokens.numel() // chunk
+    steps = n_chunks if steps is None else min(steps, n_chunks)
+    outs = []
+    for i in range(steps):
+        h, state = step(tokens[i * chunk : (i + 1) * chunk], state)
+        outs.append(h)
+    return torch.cat(outs)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=["eager", "inductor", "nosync"], default="nosync")
+    p.add_argument("--steps", type=int, default=None, help="chunks per request (default: all)")
+    p.add_argument("--requests", type=int, default=2)
+    args = p.parse_args(argv)
+
+    model = make_model()
+    step = model if args.backend == "eager" else torch.compile(model, backend=args.backend)
+    with torch.no_grad():
+        for r in range(args.requests):
+            request = make_request(seed=r)
+            t0 = time.perf_counter()
+            out = prefill(step, request, args.steps)
+            dt = time.perf_counter() - t0
+            print(f"request {r}: {out.shape[0]} positions in {dt * 1e3:.1f} ms, |h| = {out.norm():.4f}")
+
+
+if __name__ == "__main__":
+    main()
