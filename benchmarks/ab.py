@@ -119,15 +119,15 @@ def _prefill_chunk() -> int:
 EXAMPLES = {
     e.name: e
     for e in (
-        Example("diffusion-tiny", "diffusion_loop", "tiny", 50, 15, 4, 2, True,
+        Example("diffusion-tiny", "diffusion_loop", "tiny", 50, 50, 4, 2, True,
                 note="CPU-bound: a handful of small kernels per step"),
-        Example("diffusion-large", "diffusion_loop", "large", 10, 5, 2, 2, True,
+        Example("diffusion-large", "diffusion_loop", "large", 10, 8, 2, 2, True,
                 note="compute-bound: 1,088 tokens x 512 dims"),
         # The bench request decodes to max_new with the stop check run (and synced) every step but
         # never firing, so every repeat times the same number of steps.
-        Example("decode", "decode_loop", "tiny", 48, 10, 4, 2, True, (("stop_ids", ()),),
+        Example("decode", "decode_loop", "tiny", 48, 30, 4, 2, True, (("stop_ids", ()),),
                 note="stop check runs every step (step-varying sync)"),
-        Example("prefill", "prefill_tokens", "tiny", 16, 10, 2, 2, False,
+        Example("prefill", "prefill_tokens", "tiny", 16, 30, 2, 2, False,
                 note="counter-example: one host read per token, nothing to hoist"),
     )
 }
@@ -251,6 +251,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": str(device),
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "nosync_backend": backend_status(),
         "sync_counter": sync_counter_name(),
     }
@@ -307,8 +308,9 @@ class CompileTracker:
             for m in get_compilation_metrics():
                 key = (m.co_filename, m.co_firstlineno, m.co_name)
                 self.compiles[key] = self.compiles.get(key, 0) + 1
-                if self.compiles[key] > 1 and m.recompile_reason:
-                    reason = " ".join(m.recompile_reason.split())[:200]
+                why = getattr(m, "recompile_reason", None)
+                if self.compiles[key] > 1 and why:
+                    reason = " ".join(why.split())[:200]
                     if reason not in self.reasons:
                         self.reasons.append(reason)
 
@@ -475,7 +477,8 @@ def prepare(ex: Example, variant: str, steps: int, device: torch.device, refs: d
             res.syncs_per_step = c["syncs"] / n_taken
             if "stream_syncs" in c:
                 res.stream_syncs_per_step = c["stream_syncs"] / n_taken
-            res.syncs_per_request = count_syncs(lambda: run(step, fresh_request(), steps), device)["syncs"]
+            new = fresh_request()  # built outside the count: only the loop's syncs are counted
+            res.syncs_per_request = count_syncs(lambda: run(step, new, steps), device)["syncs"]
     except Exception as e:  # a variant that fails is reported; the others still run
         res.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         log_progress(f"{ex.name} / {variant}: FAILED: {res.error}")
@@ -719,6 +722,8 @@ def format_report(payload: dict[str, Any]) -> str:
         f"Machine: {m['cpu']} ({m['cpus']} CPUs, torch threads {m['torch_threads']}), "
         f"device {m['device']}{' ' + m['gpu'] if 'gpu' in m else ''}; torch {m['torch']}, Python {m['python']}.",
         f"nosync backend: {m['nosync_backend']}. Sync counter: {m['sync_counter']}.",
+        f"Load average (1 min) at start / end: {m.get('load_avg_1m_start')} / {m.get('load_avg_1m')} "
+        "(above the CPU count, other work shared the machine: read p10-p90 as the noise).",
         f"Per-step time = one request's loop time / steps taken, median and p10/p90 over the repeats "
         f"after a warm-up request ({'quick mode' if payload['config']['quick'] else 'full run'}). "
         "syncs/step: on a request already seen; syncs/req: one new request. "
@@ -844,6 +849,7 @@ def prime_nosync() -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
+    load_start = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
     if threads:
         torch.set_num_threads(threads)
@@ -877,6 +883,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p in prepared:
             results.append(finish(p))
             log_progress(f"{name} / {p.result.variant}: {p.result.median_us:.1f} us/step")
+        if args.json:  # partial results survive a run cut short (e.g. by a time limit)
+            Path(args.json).write_text(json.dumps({"partial": True, "machine": machine_info(device),
+                                                   "results": table_rows(results)}, indent=2, default=str))
     order = {v: i for i, v in enumerate(VARIANTS)}
     results.sort(key=lambda r: (args.examples.index(r.example), order[r.variant]))
     guard = None
@@ -889,7 +898,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             guard = None
             log_progress(f"guard overhead: FAILED: {type(e).__name__}: {e}")
     payload = {
-        "machine": machine_info(device),
+        "machine": {**machine_info(device), "load_avg_1m_start": load_start},
         "config": {"quick": args.quick, "examples": args.examples, "variants": args.variants,
                    "steps": args.steps, "repeats": args.repeats},
         "examples": {n: {"module": EXAMPLES[n].module, "size": EXAMPLES[n].size, "note": EXAMPLES[n].note}

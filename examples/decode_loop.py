@@ -180,12 +180,15 @@ def generate(step, request, max_new: int = 64) -> torch.Tensor:
     g = torch.Generator(device=device).manual_seed(request["sample_seed"])
     vocab = request["banned"].numel()
     last = min(request["max_len"] - 1, prompt.numel() - 1 + max_new)
+    # positions made once on the device: ``torch.tensor(pos, device="cuda")`` per step would be a
+    # host-to-device copy that synchronizes the stream
+    positions = torch.arange(prompt.numel() - 1, max(last, prompt.numel() - 1), device=device)
     out = []
-    for pos in range(prompt.numel() - 1, last):
+    for j, pos in enumerate(range(prompt.numel() - 1, last)):
         noise = torch.rand(vocab, generator=g, device=device).clamp_(min=1e-12)
         next_token, finished = step(
             tokens,
-            torch.tensor(pos, device=device),
+            positions[j],
             noise,
             request["temperature"],
             request["top_k"],

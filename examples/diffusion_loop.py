@@ -124,8 +124,12 @@ def make_hoisted_model(size: str = "tiny", seed: int = 0) -> DenoiserHoisted:
 def denoise(step, request, steps: int = 50):
     """The per-request loop: the timestep changes every step, nothing else does."""
     x = request["x"]
+    # The schedule is made once per request on the latents' device, as a scheduler's timesteps are:
+    # ``torch.tensor(v, device="cuda")`` inside the loop would be a host-to-device copy that
+    # synchronizes the stream at every step.
+    timesteps = torch.tensor([1.0 - i / steps for i in range(steps)], device=x.device)
     for i in range(steps):
-        t = torch.tensor(1.0 - i / steps)
+        t = timesteps[i]
         eps = step(x, t, request["token_types"], request["guidance_scale"], request["grid_hw"])
         x = x - (1.0 / steps) * eps
     return x

@@ -218,6 +218,22 @@ def test_cli_runs_as_a_subprocess():
     assert "--quick" in proc.stdout and "--json" in proc.stdout and "--plot" in proc.stdout
 
 
+def test_gpu_check_dry_run_and_cpu_skip(tmp_path):
+    script = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "pytest -m cuda" in proc.stderr and "benchmarks/ab.py --device cuda" in proc.stderr
+    env_txt = (tmp_path / "env.txt").read_text()
+    assert f"torch {torch.__version__}" in env_txt and "nosync hooks:" in env_txt
+    if not torch.cuda.is_available():
+        proc = subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "no CUDA device" in (tmp_path / "summary.txt").read_text()
+    bad = subprocess.run(["bash", script, "--bogus"], capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2
+
+
 @pytest.mark.cuda
 def test_smoke_run_on_cuda_with_cudagraphs_column(tmp_path):
     path = tmp_path / "ab.json"
