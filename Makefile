@@ -27,7 +27,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/ab.py
 
 test-compat:
-	bash benchmarks/compat.sh
+	bash tests/compat.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -14,10 +14,11 @@ something fails (``strict=True`` raises instead).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -92,8 +93,32 @@ def _check(name: str, value: Any) -> Any:
     raise AssertionError(name)
 
 
+_FORCED: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def forced_options(**overrides: Any) -> Iterator[None]:
+    """Override options of every nosync compile in this block (e.g. ``verify=True`` for explain)."""
+    for name, value in overrides.items():
+        _check(name, value)
+    saved = dict(_FORCED)
+    _FORCED.update(overrides)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(saved)
+
+
+def _resolve(options: Any) -> Options:
+    opts = Options.from_dict(options)
+    if _FORCED:
+        opts = dataclasses.replace(opts, **_FORCED)
+    return opts
+
+
 def _policy(site: dynamo_hooks.SyncSite) -> tuple[bool, Any]:
-    opts = Options.from_dict(site.options)
+    opts = _resolve(site.options)
     try:
         return guards.decide(site, opts)
     except NosyncError:
@@ -128,9 +153,7 @@ class NosyncBackend:
         _ensure_hooks()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-        opts = self.options
-        if "options" in kwargs:
-            opts = Options.from_dict(kwargs.pop("options"))
+        opts = _resolve(kwargs.pop("options") if "options" in kwargs else self.options)
         mode = kwargs.pop("mode", self.mode)
         return _compile(gm, example_inputs, opts, mode, kwargs, self.compiled)
 
@@ -143,18 +166,18 @@ _COMPILED: list[dict] = []
 
 def nosync(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
     """The ``nosync`` backend function (what the entry point and ``register_backend`` name)."""
-    opts = Options.from_dict(kwargs.pop("options", None))
+    opts = _resolve(kwargs.pop("options", None))
     mode = kwargs.pop("mode", None)
-    return _compile(gm, example_inputs, opts, mode, kwargs, _COMPILED)
+    return _compile(gm, example_inputs, opts, mode, kwargs, None)
 
 
 def compiled_graphs() -> list[dict]:
-    """What the ``nosync`` backend function compiled in this process (newest last)."""
+    """Every graph nosync compiled in this process, by name or as a NosyncBackend (newest last)."""
     return list(_COMPILED)
 
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode: Optional[str],
-             extra: dict, record: list) -> Callable:
+             extra: dict, record: Optional[list]) -> Callable:
     if extra:
         log.warning("nosync: ignoring unknown backend keyword argument(s): %s", ", ".join(sorted(extra)))
     if mode is not None and mode not in MODES:
@@ -185,7 +208,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
             reference, compiled, example_inputs, strict=opts.strict,
             name=f"nosync graph {compile_id or ''} ({opts.codegen})".replace("  ", " "),
         )
-    record.append(entry)
+    _COMPILED.append(entry)
+    if record is not None:
+        record.append(entry)
     return compiled
 
 

@@ -338,14 +338,23 @@ def is_fake(t: Any) -> bool:
 # The hooks
 # --------------------------------------------------------------------------------------------
 _METHOD_HOOKS = {
-    # attribute on TensorVariable: (sync kind, how many extra positional args the handler takes)
-    "method_item": "item",
-    "method_tolist": "tolist",
-    "bool_impl": "bool",
-    "nb_int_impl": "int",
-    "nb_float_impl": "float",
-    "nb_index_impl": "index",
+    # sync kind: TensorVariable attribute names that implement it, newest torch first
+    "item": ("method_item",),
+    "tolist": ("method_tolist",),
+    "bool": ("nb_bool_impl", "bool_impl"),  # renamed in torch 2.14
+    "int": ("nb_int_impl",),
+    "float": ("nb_float_impl",),
+    "index": ("nb_index_impl",),
 }
+
+
+def _method_attr(kind: str) -> str:
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    for attr in _METHOD_HOOKS[kind]:
+        if hasattr(TensorVariable, attr):
+            return attr
+    raise AttributeError(f"TensorVariable has none of {', '.join(_METHOD_HOOKS[kind])}")
 _fired: dict[str, int] = {}
 
 
@@ -498,8 +507,9 @@ def _unsupported_reason() -> Optional[str]:
 def _patch() -> None:
     from torch._dynamo.variables.tensor import TensorVariable
 
-    for attr, kind in _METHOD_HOOKS.items():
-        original = getattr(TensorVariable, attr)  # AttributeError: hook point missing
+    for kind in _METHOD_HOOKS:
+        attr = _method_attr(kind)  # AttributeError: hook point missing
+        original = getattr(TensorVariable, attr)
         _originals[f"TensorVariable.{attr}"] = original
         hook = _make_method_hook(attr, kind, original)
         setattr(TensorVariable, attr, hook)
@@ -600,15 +610,16 @@ def _self_test_fns() -> dict[str, Callable]:
             return x + 1
         return x - 1
 
-    return {
-        "TensorVariable.method_item": f_item,
-        "TensorVariable.method_tolist": f_tolist,
-        "TensorVariable.bool_impl": f_bool,
-        "TensorVariable.nb_int_impl": f_int,
-        "TensorVariable.nb_float_impl": f_float,
-        "TensorVariable.nb_index_impl": f_index,
-        "generic_jump (dispatch_table)": f_jump,
-    }
+    fns = {"item": f_item, "tolist": f_tolist, "bool": f_bool, "int": f_int, "float": f_float, "index": f_index}
+    out = {}
+    for kind, fn in fns.items():
+        try:
+            attr = _method_attr(kind)
+        except AttributeError:
+            attr = "|".join(_METHOD_HOOKS[kind])
+        out[f"TensorVariable.{attr}"] = fn
+    out["generic_jump (dispatch_table)"] = f_jump
+    return out
 
 
 def self_test(verbose: bool = False) -> dict[str, bool]:
@@ -617,7 +628,7 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
     Each function's sync must reach our policy *and* be replaced by a constant: the compiled
     function must then produce one graph (no break) and the eager result.
     """
-    global _policy, _backend_matcher
+    global _policy, _backend_matcher, _self_test_result
     results: dict[str, bool] = {}
     seen: list[str] = []
 
@@ -636,6 +647,15 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
             }.get(site.kind, lambda: bool(t))()
         return True, value
 
+    if not _installed:
+        # Standalone use (python -c "...self_test()"): install with a do-nothing policy first;
+        # install() runs this self-test itself.
+        install(lambda site: (False, None), lambda fn: False)
+        if _self_test_result is not None:
+            if verbose:
+                for k, ok in _self_test_result.items():
+                    print(f"  {'ok  ' if ok else 'DEAD'} {k}")
+            return dict(_self_test_result)
     if not _originals:
         return {k: False for k in _self_test_fns()}
     saved = (_policy, _backend_matcher)
@@ -652,7 +672,7 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
             seen.clear()
             graphs: list[int] = []
 
-            ints = name.endswith(("tolist", "index_impl", "nb_int_impl"))
+            ints = fn.__name__ in ("f_tolist", "f_index", "f_int")
             x = torch.tensor([2, 3]) if ints else torch.tensor([2.0, 3.0])
             try:
                 compiled = torch.compile(fn, backend=_CountingMarker(marker, graphs))
@@ -671,7 +691,6 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
         counters.clear()
         for k, v in saved_counters.items():
             counters[k].update(v)
-    global _self_test_result
     _self_test_result = results
     return results
 
