@@ -170,9 +170,11 @@ def count_syncs(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
     """Syncs made while running ``fn``: the package counter when present, else the profiler."""
     try:
         from torchsync_pass.counting import count_syncs as package_counter
-    except ImportError:
+
+        c = package_counter(stacks=False)
+    except Exception:  # not there yet, or broken on this torch: the profiler still counts
         return _profiler_sync_counts(fn, device)
-    with package_counter(stacks=False) as c:
+    with c:
         fn()
         sync_device(device)
     out = {"syncs": int(c.total)}
@@ -442,6 +444,16 @@ class Prepared:
     samples: list[float] = dataclasses.field(default_factory=list)
 
 
+def new_request(ex: Example, device: torch.device):
+    """The benchmark request: same seed (same values) every time, new tensor objects.
+
+    Built on the CPU (the examples draw from CPU generators) even inside a CUDA default-device
+    context, then moved to ``device``.
+    """
+    with torch.device("cpu"):
+        return to_device(ex.make_request(seed=0), device)
+
+
 def _device_ctx(device: torch.device):
     # On CUDA the loops' own factory calls (timesteps, positions) must land on the device too.
     return torch.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -458,7 +470,7 @@ def prepare(ex: Example, variant: str, steps: int, device: torch.device, refs: d
     tracker = CompileTracker()
 
     def fresh_request():
-        return to_device(ex.make_request(seed=0), device)
+        return new_request(ex, device)
 
     try:
         with torch.no_grad(), _device_ctx(device), tracker.track():
@@ -502,7 +514,7 @@ def time_interleaved(ex: Example, prepared: list[Prepared], steps: int, repeats:
         for rep in range(repeats):
             k = rep % len(prepared)
             for p in prepared[k:] + prepared[:k]:
-                r = to_device(ex.make_request(seed=0), device)
+                r = new_request(ex, device)
                 with p.tracker.track():
                     sync_device(device)
                     t0 = time.perf_counter()
