@@ -126,7 +126,7 @@ def denoise(step, request, steps: int = 50):
     x = request["x"]
     # The schedule is made once per request on the latents' device, as a scheduler's timesteps are:
     # ``torch.tensor(v, device="cuda")`` inside the loop would be a host-to-device copy that
-    # synchronizes the stream at every step.
+    # waits for the stream at every step.
     timesteps = torch.tensor([1.0 - i / steps for i in range(steps)], device=x.device)
     for i in range(steps):
         t = timesteps[i]
