@@ -17,7 +17,8 @@ NOTE: no ``TorchDispatchMode``/``TorchFunctionMode`` is used: with one active Dy
 compiled function eagerly. Dynamo traces tensor methods by name, never through the class
 attribute, so the wrappers do not change what it captures; the wrappers' own frames are marked
 "skip" for Dynamo (see ``_hide_from_dynamo``) so it does not try to compile them when compiled code
-calls them after a graph break.
+calls them after a graph break. Every torch-internal access (and the ``torch.Tensor`` patching
+itself) goes through :mod:`torchsync_pass.dynamo_hooks`; this module only builds the wrappers.
 
 Where the tensor lives decides what counts: on a run without an accelerator every host read is
 counted as the sync it would be on a GPU (``SyncCounts.mode == "cpu-as-device"``). With an
@@ -42,6 +43,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from . import dynamo_hooks
 from .report import SiteKey
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,6 @@ _RESUME_RE = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 _BUILTIN_RE = re.compile(r"^<built-in (?:method|function) (\w+)")
 _PY_EVENT_RE = re.compile(r"^(.*)\((\d+)\): (.+)$")
 
-_TB = torch._C.TensorBase
 _MASK_DTYPES = (torch.bool, torch.uint8)
 
 
@@ -411,7 +412,8 @@ def _value_key(kind: str, out: Any) -> tuple[Any, str]:
         if isinstance(out, torch.Tensor):
             if out.numel() > _MAX_HASHED_NUMEL or out.device.type != "cpu":
                 return _UNKNOWN, ""
-            data = repr(_TB.tolist(out.detach()))
+            # NOTE: runs inside a wrapper (_TLS.depth set), so this .tolist() is not recorded.
+            data = repr(out.detach().tolist())
             key = (str(out.dtype), tuple(out.shape), hashlib.blake2b(data.encode(), digest_size=12).digest())
             return key, _short(data)
         if hasattr(out, "tobytes") and getattr(out, "size", _MAX_HASHED_NUMEL + 1) <= _MAX_HASHED_NUMEL:
@@ -428,27 +430,18 @@ def _short(s: str, n: int = 60) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Dynamo-internal access (kept to this one function)
+# Dynamo: through dynamo_hooks only
 # --------------------------------------------------------------------------------------------
 def _hide_from_dynamo(fns: list[Callable[..., Any]]) -> None:
     """Tell Dynamo never to compile the wrappers' frames (nor what they call).
 
-    NOTE: Dynamo-internal: ``set_code_exec_strategy`` with ``FrameAction.SKIP`` (what
-    ``torch._dynamo.eval_frame.skip_code`` does, applied recursively). Without it, compiled code
-    that calls a wrapper after a graph break makes Dynamo try to compile the wrapper frame, which
-    adds a graph-break record to the user's counters. Fallback: warn once and carry on.
-    Importing Dynamo here, before the wrappers are installed, also keeps its snapshot of the
-    tensor methods (``variables.tensor.all_tensor_attrs``) free of the wrappers.
+    Without it, compiled code that calls a wrapper after a graph break makes Dynamo try to compile
+    the wrapper frame, which adds a graph-break record to the user's counters. Must run before the
+    wrappers are installed (see :func:`dynamo_hooks.skip_frames_in_dynamo`). Fallback: warn once
+    and carry on.
     """
     try:
-        import torch._dynamo  # noqa: F401
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-        for fn in fns:
-            set_code_exec_strategy(
-                fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-            )
+        dynamo_hooks.skip_frames_in_dynamo(fns)
     except Exception:
         log.warning(
             "torchsync_pass: could not mark the sync counter's wrappers as skipped for Dynamo; "
@@ -460,7 +453,7 @@ def _hide_from_dynamo(fns: list[Callable[..., Any]]) -> None:
 def _in_compilation() -> bool:
     """True while Dynamo/AOT/Inductor compile (their host reads are not the program's)."""
     try:
-        return torch._guards.CompileContext.current_compile_id() is not None
+        return dynamo_hooks.compiling()
     except Exception:
         return False
 
@@ -554,7 +547,7 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         _TLS.depth = 1
         try:
             if _SESSION.profiling:
-                with torch._C._profiler._RecordFunctionFast("torchsync_pass::" + kind):
+                with dynamo_hooks.profiler_range("torchsync_pass::" + kind):
                     out = orig(self, *args, **kwargs)
             else:
                 out = orig(self, *args, **kwargs)
@@ -570,36 +563,25 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _Patcher:
-    """Installs the method wrappers on ``torch.Tensor`` while any counter is active."""
+    """Builds the method wrappers; ``dynamo_hooks.patch_tensor_methods`` installs them on
+    ``torch.Tensor`` while any counter is active."""
 
     def __init__(self) -> None:
-        self.saved: dict[str, Any] = {}
+        self._restore: Callable[[], None] | None = None
         self.hidden = False
 
     def install(self) -> None:
-        wrappers = {}
-        for name in _PATCHED:
-            in_dict = name in torch.Tensor.__dict__
-            self.saved[name] = torch.Tensor.__dict__[name] if in_dict else _MISSING
-            wrappers[name] = _make_wrapper(name, getattr(torch.Tensor, name))
+        wrappers = {name: _make_wrapper(name, getattr(torch.Tensor, name)) for name in _PATCHED}
         if not self.hidden:
             # all wrappers share one code object; _record and helpers run under its SKIP
             _hide_from_dynamo([next(iter(wrappers.values()))])
             self.hidden = True
-        for name, w in wrappers.items():
-            setattr(torch.Tensor, name, w)
+        self._restore = dynamo_hooks.patch_tensor_methods(wrappers)
 
     def uninstall(self) -> None:
-        for name, old in self.saved.items():
-            if old is _MISSING:
-                with contextlib.suppress(AttributeError):
-                    delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, old)
-        self.saved.clear()
-
-
-_MISSING = object()
+        restore, self._restore = self._restore, None
+        if restore is not None:
+            restore()
 
 
 # --------------------------------------------------------------------------------------------
@@ -638,7 +620,7 @@ class _Profiler:
         self.prof: Any = None
 
     def start(self) -> bool:
-        if torch.autograd.profiler._is_profiler_enabled:
+        if dynamo_hooks.profiler_enabled():
             return False
         from torch.autograd.profiler import profile
 

@@ -717,3 +717,149 @@ if __name__ == "__main__":  # python -m torchsync_pass.dynamo_hooks
     for k in hook_points():
         print(f"  {'ok  ' if res.get(k) else 'DEAD'} {k}")
     sys.exit(0 if ok else 1)
+
+
+# ---- Observability helpers (used by counting.py and explain.py) ----
+# NOTE: ``count_syncs()`` and the explain CLI watch a run without changing what Dynamo does. What
+# they need from torch internals, and the one monkeypatch they make (the torch.Tensor method
+# wrappers), lives here so the private surface stays in this module. These helpers may raise when a
+# torch release moves something; their callers catch that, warn or note it, and carry on.
+
+_ABSENT = object()
+
+
+def skip_frames_in_dynamo(fns: list[Callable[..., Any]]) -> None:
+    """Tell Dynamo never to compile the frames of ``fns``, nor anything they call.
+
+    NOTE: Dynamo-internal: ``set_code_exec_strategy`` with ``FrameAction.SKIP`` for the frame and
+    its callees (what ``torch._dynamo.eval_frame.skip_code`` does, applied recursively). Importing
+    Dynamo here, before any Tensor method wrapper is installed, also keeps Dynamo's snapshot of the
+    tensor methods (``variables.tensor.all_tensor_attrs``) free of the wrappers.
+    """
+    import torch._dynamo  # noqa: F401
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    for fn in fns:
+        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def patch_tensor_methods(wrappers: dict[str, Callable[..., Any]]) -> Callable[[], None]:
+    """Install ``wrappers`` as ``torch.Tensor`` attributes; return ``restore()``, which undoes it.
+
+    ``restore()`` puts back exactly what ``torch.Tensor.__dict__`` held (a name that was only
+    inherited from ``torch._C.TensorBase`` is deleted again, not pinned) and is idempotent.
+    NOTE: Dynamo traces tensor methods by name, never through these class attributes, so the
+    wrappers do not change what it captures.
+    """
+    saved = {name: torch.Tensor.__dict__.get(name, _ABSENT) for name in wrappers}
+    for name, wrapper in wrappers.items():
+        setattr(torch.Tensor, name, wrapper)
+
+    def restore() -> None:
+        for name, old in saved.items():
+            if old is _ABSENT:
+                try:
+                    delattr(torch.Tensor, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(torch.Tensor, name, old)
+        saved.clear()
+
+    return restore
+
+
+@functools.lru_cache(maxsize=None)
+def _range_type() -> Callable[[str], Any]:
+    fast = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast", None)
+    return fast if fast is not None else torch.profiler.record_function
+
+
+def profiler_range(name: str) -> Any:
+    """A context manager that marks a named range in the running profiler.
+
+    NOTE: ``torch._C._profiler._RecordFunctionFast`` (what Dynamo and Inductor use for their own
+    ranges): about 2-4 us per range against about 20 us for the public
+    ``torch.profiler.record_function`` with the profiler's Python tracer on, whose own Python
+    frames also land in the trace. ``count_syncs()`` opens one per intercepted sync. Falls back to
+    ``torch.profiler.record_function`` when the fast class is missing.
+    """
+    return _range_type()(name)
+
+
+def profiler_enabled() -> bool:
+    """True while an autograd/Kineto profiler is running in this process.
+
+    NOTE: reads ``torch.autograd.profiler._is_profiler_enabled``; no public API says this.
+    """
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
+
+
+def graph_break_logger() -> logging.Logger:
+    """The logger of Dynamo's ``graph_breaks`` artifact (what ``TORCH_LOGS=graph_breaks`` shows).
+
+    Its records carry each break's user location, reason and user stack; attach a handler to
+    collect them (see ``explain._BreakHandler`` for the two record formats).
+    """
+    import torch._dynamo  # noqa: F401  (registers the artifact)
+    import torch._logging
+
+    return torch._logging.getArtifactLogger("torch._dynamo.symbolic_convert", "graph_breaks")
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """One frame compile, copied out of Dynamo's compilation metrics as plain data."""
+
+    co_name: Optional[str]
+    co_filename: Optional[str]
+    co_firstlineno: Optional[int]
+    compile_id: Optional[str]
+    graph_op_count: Optional[int]
+    recompile_reason: Optional[str]
+    fail_type: Optional[str]
+    fail_reason: Optional[str]
+    is_runtime: bool
+
+
+class CompilationWatch:
+    """Collects the compilation-metrics records of the compiles between ``__init__`` and ``stop()``.
+
+    NOTE: Dynamo-internal: ``torch._dynamo.utils.get_compilation_metrics`` (one record per frame
+    compile: code name/file/line, graph op count, compile id, recompile and failure reasons). Dynamo
+    keeps only the last 64 by default, so the limit is raised while watching and put back by
+    ``stop()``.
+    """
+
+    def __init__(self) -> None:
+        import torch._dynamo  # noqa: F401
+        from torch._dynamo import utils as dutils
+
+        self._dutils = dutils
+        self._seen = {id(m) for m in dutils.get_compilation_metrics()}
+        self._old_limit = getattr(dutils._compilation_metrics, "maxlen", None)
+        dutils.set_compilation_metrics_limit(1_000_000)
+
+    def stop(self) -> list[CompileRecord]:
+        """The records of the compiles since the watch began, oldest first; restores the limit."""
+        dutils = self._dutils
+        try:
+            new = [m for m in dutils.get_compilation_metrics() if id(m) not in self._seen]
+        finally:
+            if self._old_limit:
+                dutils.set_compilation_metrics_limit(self._old_limit)
+        return [
+            CompileRecord(
+                co_name=m.co_name,
+                co_filename=m.co_filename,
+                co_firstlineno=m.co_firstlineno,
+                compile_id=m.compile_id,
+                graph_op_count=m.graph_op_count,
+                recompile_reason=m.recompile_reason,
+                fail_type=m.fail_type,
+                fail_reason=m.fail_reason,
+                is_runtime=bool(getattr(m, "is_runtime", False)),
+            )
+            for m in new
+        ]

@@ -149,42 +149,31 @@ def _first_para(reason: str) -> str:
 class _CompileWatcher:
     """Watches what Dynamo compiles during the run.
 
-    NOTE: Dynamo-internal, and only here: the compilation-metrics records
-    (``torch._dynamo.utils.get_compilation_metrics``, one per frame compile: code name/file/line,
-    graph op count, compile id, recompile and failure reasons), the ``graph_breaks`` artifact
-    logger of ``torch._dynamo.symbolic_convert`` (reason and user stack of each break) and
-    ``torch._guards.CompileContext`` (which compile a break belongs to). Any of these missing
-    leaves the "compiled" section empty with a note, never a failed run.
+    Through :mod:`torchsync_pass.dynamo_hooks` only: its ``CompilationWatch`` (Dynamo's
+    compilation-metrics records, one per frame compile: code name/file/line, graph op count,
+    compile id, recompile and failure reasons), ``graph_break_logger()`` (reason and user stack of
+    each break) and ``current_compile_id()`` (which compile a break belongs to). Any of these
+    missing leaves the "compiled" section empty with a note, never a failed run.
     """
 
     def __init__(self) -> None:
         self.ok = False
         self.note = ""
-        self._seen: set[int] = set()
+        self._metrics: Any = None
         self._handler: _BreakHandler | None = None
         self._logger: logging.Logger | None = None
         self._saved: tuple = ()
-        self._old_limit: int | None = None
 
     def start(self) -> None:
         try:
-            import torch
-            import torch._dynamo  # noqa: F401
-            from torch._dynamo import utils as dutils
+            from . import dynamo_hooks
 
-            self._dutils = dutils
-            self._seen = {id(m) for m in dutils.get_compilation_metrics()}
-            self._old_limit = getattr(dutils._compilation_metrics, "maxlen", None)
-            dutils.set_compilation_metrics_limit(1_000_000)
-            self._logger = torch._logging.getArtifactLogger(
-                "torch._dynamo.symbolic_convert", "graph_breaks"
-            )
+            self._metrics = dynamo_hooks.CompilationWatch()
+            self._logger = dynamo_hooks.graph_break_logger()
             lg = self._logger
             self._saved = (lg.level, lg.propagate)
             user_enabled = lg.isEnabledFor(logging.DEBUG)
-            self._handler = _BreakHandler(
-                lambda: _str_or_none(torch._guards.CompileContext.current_compile_id())
-            )
+            self._handler = _BreakHandler(dynamo_hooks.current_compile_id)
             lg.addHandler(self._handler)
             if not user_enabled:  # TORCH_LOGS=graph_breaks not set: collect, print nothing
                 lg.setLevel(logging.DEBUG)
@@ -192,6 +181,9 @@ class _CompileWatcher:
             self.ok = True
         except Exception as e:
             self.note = f"compiled-function info unavailable on this torch ({e!r})"
+            if self._metrics is not None:  # put Dynamo's metrics limit back
+                with contextlib.suppress(Exception):
+                    self._metrics.stop()
             log.debug("compile watcher not started", exc_info=True)
 
     def stop(self) -> list[CompiledFunction]:
@@ -203,18 +195,12 @@ class _CompileWatcher:
             lg.removeHandler(self._handler)
             lg.setLevel(self._saved[0])
             lg.propagate = self._saved[1]
-            metrics = [m for m in self._dutils.get_compilation_metrics() if id(m) not in self._seen]
-            if self._old_limit:
-                self._dutils.set_compilation_metrics_limit(self._old_limit)
+            metrics = self._metrics.stop()
             return _group(metrics, self._handler.breaks)
         except Exception as e:
             self.note = f"compiled-function info unavailable on this torch ({e!r})"
             log.debug("compile watcher failed", exc_info=True)
             return []
-
-
-def _str_or_none(x: Any) -> str | None:
-    return None if x is None else str(x)
 
 
 def _group(metrics: list[Any], breaks: list[GraphBreak]) -> list[CompiledFunction]:
