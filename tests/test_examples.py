@@ -215,8 +215,6 @@ def test_decode_nosync_stop_check_still_stops_at_the_same_step():
 
 
 @needs_nosync
-@pytest.mark.xfail(strict=True, reason="nosync keeps the step-varying stop check as a speculated constant "
-                   "whose guard re-runs its cone (the whole step) at every step, instead of demoting it")
 def test_decode_nosync_does_not_guard_the_step_varying_stop_check():
     compiled = nosync_eager(decode_loop.make_model())
     steps = 12

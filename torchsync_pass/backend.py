@@ -118,11 +118,11 @@ def _resolve(options: Any) -> Options:
 
 
 def _policy(site: dynamo_hooks.SyncSite) -> tuple[bool, Any]:
-    opts = _resolve(site.options)
     try:
+        opts = _resolve(site.options)
         return guards.decide(site, opts)
-    except NosyncError:
-        raise
+    except NosyncError as e:
+        dynamo_hooks.raise_through_dynamo(e)
     except Exception:
         if opts.strict:
             raise
@@ -153,9 +153,12 @@ class NosyncBackend:
         _ensure_hooks()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-        opts = _resolve(kwargs.pop("options") if "options" in kwargs else self.options)
-        mode = kwargs.pop("mode", self.mode)
-        return _compile(gm, example_inputs, opts, mode, kwargs, self.compiled)
+        try:
+            opts = _resolve(kwargs.pop("options") if "options" in kwargs else self.options)
+            mode = kwargs.pop("mode", self.mode)
+            return _compile(gm, example_inputs, opts, mode, kwargs, self.compiled)
+        except NosyncError as e:
+            dynamo_hooks.raise_through_dynamo(e)
 
     def reset(self) -> None:
         self.compiled.clear()
@@ -166,9 +169,12 @@ _COMPILED: list[dict] = []
 
 def nosync(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
     """The ``nosync`` backend function (what the entry point and ``register_backend`` name)."""
-    opts = _resolve(kwargs.pop("options", None))
-    mode = kwargs.pop("mode", None)
-    return _compile(gm, example_inputs, opts, mode, kwargs, None)
+    try:
+        opts = _resolve(kwargs.pop("options", None))
+        mode = kwargs.pop("mode", None)
+        return _compile(gm, example_inputs, opts, mode, kwargs, None)
+    except NosyncError as e:
+        dynamo_hooks.raise_through_dynamo(e)
 
 
 def compiled_graphs() -> list[dict]:

@@ -9,9 +9,9 @@ synced tensor, :func:`analyze_cone` walks the dataflow back to the placeholders 
 2. every node of the cone is a plain op: no ``get_attr`` constant, no ``call_module``, no
    higher-order op, no random op, no in-place or otherwise side-effecting op;
 3. no leaf has symbolic sizes (``dynamic=True``), see :mod:`torchsync_pass.symbolic`;
-4. no node anywhere in the graph so far writes in place to a leaf or to any view of it (aliasing is
-   decided by the fake tensors' storages, so ``x[0] = 1``, ``x.view(-1).fill_(0)``, ``x.data.add_``
-   are all caught);
+4. no node anywhere in the graph so far writes in place to a leaf, an intermediate of the cone, or
+   any view of them (aliasing is decided by the fake tensors' storages, so ``x[0] = 1``,
+   ``x.view(-1).fill_(0)``, ``x.data.add_`` and ``y = s * 2; y.add_(1); y.item()`` are caught);
 5. every leaf is request-invariant: a parameter or buffer, an input named in
    ``options["invariant"]``, or (speculatively) another tensor input; an undeclared inference
    tensor is rejected, since it has no ``_version`` to notice in-place writes.
@@ -251,7 +251,7 @@ def analyze_cone(
             if syms:
                 return ConeResult(False, Reason.SYMBOLIC, symbolic.describe(n.name, syms))
 
-    mutated = _mutated_leaf(graph, leaf_nodes)
+    mutated = _mutated_cone(graph, leaf_nodes, cone_nodes)
     if mutated is not None:
         return ConeResult(False, Reason.MUTATION, mutated)
 
@@ -280,13 +280,19 @@ def _where(n: fx.Node) -> str:
     return lines[-1] if lines else n.name
 
 
-def _mutated_leaf(graph: fx.Graph, leaf_nodes: list[fx.Node]) -> Optional[str]:
-    """Describe an in-place write to a leaf (or any alias of it) anywhere in the graph so far."""
-    storages = {}
-    for n in leaf_nodes:
+def _mutated_cone(graph: fx.Graph, leaf_nodes: list[fx.Node], cone_nodes: set[fx.Node]) -> Optional[str]:
+    """Describe an in-place write, anywhere in the graph so far, to memory the cone reads.
+
+    NOTE: the writer is usually *not* in the cone: after ``y = s * 2; y.add_(1)``, Dynamo's
+    variable ``y`` still names the ``mul`` node, so ``y.item()`` has ``mul`` in its cone while
+    ``add_`` only uses it. Aliasing is therefore decided by storage (the fake tensors of views share
+    their base's storage), over every node of the cone, leaves and intermediates alike.
+    """
+    storages: dict[int, fx.Node] = {}
+    for n in leaf_nodes + [n for n in graph.nodes if n in cone_nodes]:
         key = _storage_key(_example(n))
         if key is not None:
-            storages[key] = n
+            storages.setdefault(key, n)
     if not storages:
         return None
     for n in graph.nodes:
@@ -295,8 +301,9 @@ def _mutated_leaf(graph: fx.Graph, leaf_nodes: list[fx.Node]) -> Optional[str]:
             continue
         key = _storage_key(_example(target))
         if key in storages:
-            leaf = storages[key]
-            return f"{_target_name(n)} writes to {leaf.name} (or a view of it) at {_where(n)}"
+            read = storages[key]
+            what = "input" if read.op == "placeholder" else "value"
+            return f"{_target_name(n)} writes to {what} {read.name} (or a view of it) at {_where(n)}"
     return None
 
 

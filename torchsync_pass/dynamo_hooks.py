@@ -42,7 +42,7 @@ import threading
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 
@@ -314,6 +314,30 @@ def unsupported(site: SyncSite, message: str) -> None:
     )
 
 
+_PASSTHROUGH: dict[type, type] = {}
+
+
+def raise_through_dynamo(exc: BaseException) -> "NoReturn":
+    """Raise ``exc`` so that it reaches the caller of the compiled function as itself.
+
+    Dynamo re-wraps most exceptions raised while it traces (``InternalTorchDynamoError``) or while
+    a backend compiles (``BackendCompilerFailed``), so the type a user sees would depend on where
+    the error was found. Exceptions deriving from ``ShortenTraceback`` pass through both paths
+    unchanged; re-raise ``exc`` as a subclass of both its own type and that one.
+    """
+    from torch._dynamo.exc import ShortenTraceback
+
+    cls = type(exc)
+    sub = _PASSTHROUGH.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls, ShortenTraceback), {"__module__": cls.__module__})
+        _PASSTHROUGH[cls] = sub
+    new = sub.__new__(sub, *exc.args)
+    Exception.__init__(new, *exc.args)
+    new.first_useful_frame = None
+    raise new.with_traceback(exc.__traceback__) from exc.__cause__
+
+
 def current_compile_id() -> Optional[str]:
     from torch._guards import CompileContext
 
@@ -323,9 +347,16 @@ def current_compile_id() -> Optional[str]:
 
 def compiling() -> bool:
     """True while Dynamo compiles a frame in this thread (it evaluates new guards then too)."""
+    ctx = _compile_context_try_get()
+    return ctx is not None and ctx.compile_id is not None
+
+
+def _compile_context_try_get() -> Any:
+    global _compile_context_try_get
     from torch._guards import CompileContext
 
-    return CompileContext.current_compile_id() is not None
+    _compile_context_try_get = CompileContext.try_get  # bind once: this runs in every guard
+    return CompileContext.try_get()
 
 
 def is_fake(t: Any) -> bool:
@@ -585,31 +616,42 @@ class _SelfTestBackend:
         return gm.forward
 
 
+_SELF_TEST_SRC = """
+def f_item(x):
+    return x * x.sum().item()
+
+def f_tolist(x):
+    a, b = x.tolist()
+    return x + a + b
+
+def f_bool(x):
+    return x + 1 if bool(x.sum()) else x - 1
+
+def f_int(x):
+    return x * int(x.sum())
+
+def f_float(x):
+    return x * float(x.sum())
+
+def f_index(x):
+    return x * operator.index(x.sum())
+
+def f_jump(x):
+    if x.sum() > 0:
+        return x + 1
+    return x - 1
+"""
+
+
 def _self_test_fns() -> dict[str, Callable]:
-    def f_item(x):
-        return x * x.sum().item()
-
-    def f_tolist(x):
-        a, b = x.tolist()
-        return x + a + b
-
-    def f_bool(x):
-        return x + 1 if bool(x.sum()) else x - 1
-
-    def f_int(x):
-        return x * int(x.sum())
-
-    def f_float(x):
-        return x * float(x.sum())
-
-    def f_index(x):
-        return x * operator.index(x.sum())
-
-    def f_jump(x):
-        if x.sum() > 0:
-            return x + 1
-        return x - 1
-
+    # NOTE: compiled from source on every call, so each self-test run has fresh code objects: it
+    # never meets cache entries of an earlier run and never needs torch._dynamo.reset(), which
+    # would throw away everything the user's process has compiled so far.
+    env: dict[str, Any] = {"operator": operator}
+    exec(compile(_SELF_TEST_SRC, "<torchsync_pass self-test>", "exec"), env)  # noqa: S102
+    f_item, f_tolist, f_bool, f_int, f_float, f_index, f_jump = (
+        env[n] for n in ("f_item", "f_tolist", "f_bool", "f_int", "f_float", "f_index", "f_jump")
+    )
     fns = {"item": f_item, "tolist": f_tolist, "bool": f_bool, "int": f_int, "float": f_float, "index": f_index}
     out = {}
     for kind, fn in fns.items():
@@ -681,8 +723,6 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
             except Exception:
                 log.debug("nosync self-test %s failed", name, exc_info=True)
                 ok = False
-            finally:
-                torch._dynamo.reset()
             results[name] = ok
             if verbose:
                 print(f"  {'ok  ' if ok else 'DEAD'} {name}")

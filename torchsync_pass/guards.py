@@ -98,6 +98,7 @@ class _Entry:
     fps: tuple
     key: Any
     value: Any
+    hits: int = 0  # call-time guard evaluations answered by this entry
 
 
 class ConeMemo:
@@ -110,21 +111,33 @@ class ConeMemo:
         self.lock = threading.Lock()
 
     def fingerprints(self, leaves: tuple) -> tuple:
-        return tuple(_fingerprint(t, io) for t, io in zip(leaves, self.identity_only))
+        return tuple([_fingerprint(t, io) for t, io in zip(leaves, self.identity_only)])
 
     def lookup(self, leaves: tuple) -> Optional[_Entry]:
+        # Hot path (every guard evaluation): plain loops, no generators.
+        entries = self.entries
+        n = len(leaves)
         fps = None
-        for i, e in enumerate(self.entries):
+        for i, e in enumerate(entries):
             refs = e.refs
-            if all(r() is t for r, t in zip(refs, leaves)):
-                if fps is None:
-                    fps = self.fingerprints(leaves)
-                if fps == e.fps:
-                    if i:
-                        with self.lock:
-                            entries = [e] + [x for x in self.entries if x is not e]
-                            self.entries = entries
-                    return e
+            if n == 1:
+                if refs[0]() is not leaves[0]:
+                    continue
+            else:
+                same = True
+                for r, t in zip(refs, leaves):
+                    if r() is not t:
+                        same = False
+                        break
+                if not same:
+                    continue
+            if fps is None:
+                fps = self.fingerprints(leaves)
+            if fps == e.fps:
+                if i:
+                    with self.lock:
+                        self.entries = [e] + [x for x in self.entries if x is not e]
+                return e
         return None
 
     def store(self, leaves: tuple, key: Any, value: Any) -> _Entry:
@@ -206,6 +219,8 @@ class SiteState:
     demoted_detail: str = ""
     guard_syncs: int = 0
     guard_hits: int = 0
+    miss_streak: int = 0  # consecutive calls whose leaves were new (guard re-ran the cone)
+    last_miss: Optional[_Entry] = None
 
 
 _sites: dict[tuple, SiteState] = {}
@@ -358,37 +373,72 @@ def _demotion(state: SiteState, result: ConeResult, leaves: tuple, opts: Any) ->
     return None
 
 
+MISS_STREAK_DEMOTE = 3
+
+
 def make_guard(state: SiteState, cone: ConeState, spec: Spec, sources: list[str]) -> Callable:
+    """The guard of one cache entry: ``check(L, G) -> bool``, True when the value is unchanged."""
     getter = dynamo_hooks.leaf_getter(sources)
     compiling = dynamo_hooks.compiling
     spec_key = spec.key
     memo = cone.memo
+    lookup = memo.lookup
     c = counters()
+    may_demote = not all(l.declared for l in cone.result.leaves)
 
     def check(L: Any, G: Any) -> bool:
         if state.demoted is not None:
             return False  # the stock entry compiled after demotion serves this call
-        # NOTE: Dynamo also evaluates fresh guards while it compiles (on the trace's own inputs);
-        # only evaluations at call time count as hits or guard syncs.
-        runtime = not compiling()
         try:
             leaves = getter(L, G)
-            e = memo.lookup(leaves)
+            e = lookup(leaves)
             if e is None:
-                e = cone.evaluate(leaves)
-                if runtime:
+                if compiling():  # Dynamo checking a fresh entry on the trace's own inputs
+                    e = cone.evaluate(leaves)
+                else:
+                    if _runtime_miss(state, may_demote):
+                        return False
+                    e = cone.evaluate(leaves)
+                    state.last_miss = e
                     state.guard_syncs += 1
                     c["guard_syncs"] += 1
-            elif runtime:
+            else:
                 state.guard_hits += 1
                 c["guard_hits"] += 1
+                if e is not state.last_miss:
+                    state.miss_streak = 0
+                elif e.hits <= len(state.specs) and not compiling():
+                    e.hits += 1
         except Exception:
             log.debug("nosync guard for %s failed; treating as a miss", state.site, exc_info=True)
             return False
         if e.key == spec_key:
-            if runtime:
+            if spec.hits or not compiling():  # demotion asks "hit at call time yet?"
                 spec.hits += 1
             return True
         return False
 
     return check
+
+
+def _runtime_miss(state: SiteState, may_demote: bool) -> bool:
+    """Book a call whose leaves are new; True when the site is demoted instead of re-synced.
+
+    NOTE: within one call the entry stored by the miss is hit again by the guards of the other
+    cache entries of the site (at most ``len(specs) - 1`` times); more hits than that mean a later
+    call reused it, so the leaves did not change on every call.
+    """
+    last = state.last_miss
+    if last is not None and last.hits < len(state.specs):
+        state.miss_streak += 1
+    else:
+        state.miss_streak = 1
+    if may_demote and state.miss_streak >= MISS_STREAK_DEMOTE:
+        state.demoted = Reason.LEAVES_CHANGE
+        state.demoted_detail = (
+            f"its leaves were new on {state.miss_streak} calls in a row, so the guard re-ran the cone "
+            "(one sync) every call"
+        )
+        _record(state, Action.DEMOTED, Reason.LEAVES_CHANGE, state.demoted_detail)
+        return True
+    return False
