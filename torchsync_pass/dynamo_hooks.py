@@ -37,6 +37,7 @@ import inspect
 import linecache
 import logging
 import operator
+import os
 import sys
 import threading
 import types
@@ -528,7 +529,10 @@ def disabled_reason() -> Optional[str]:
 def _unsupported_reason() -> Optional[str]:
     ver = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     lo, hi = SUPPORTED_TORCH
-    if not (lo <= ver < hi):
+    if os.environ.get("TORCHSYNC_PASS_ANY_TORCH") == "1":
+        # Experiments only (e.g. a GPU box whose torch is older): the self-test still decides.
+        log.warning("TORCHSYNC_PASS_ANY_TORCH=1: skipping the torch version check (torch %s)", torch.__version__)
+    elif not (lo <= ver < hi):
         return f"torch {torch.__version__} is outside the supported range >={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
     if sys.version_info < (3, 11) or sys.version_info >= (3, 14):
         return f"Python {sys.version_info.major}.{sys.version_info.minor} is not supported (3.11-3.13)"
