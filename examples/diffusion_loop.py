@@ -147,10 +147,13 @@ def main(argv=None) -> None:
     p.add_argument("--backend", choices=["eager", "inductor", "nosync"], default="nosync")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--codegen", choices=["inductor", "eager"], default=None,
+                   help="nosync codegen: inductor (default) or eager (the FX graph, bitwise equal to eager)")
     args = p.parse_args(argv)
 
     model = make_model(args.size)
-    step = model if args.backend == "eager" else torch.compile(model, backend=args.backend)
+    kwargs = {"options": {"codegen": args.codegen}} if args.backend == "nosync" and args.codegen else {}
+    step = model if args.backend == "eager" else torch.compile(model, backend=args.backend, **kwargs)
     with torch.no_grad():
         for r in range(args.requests):
             request = make_request(args.size, seed=r)

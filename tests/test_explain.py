@@ -8,7 +8,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from torchsync_pass import explain
+from torchsync_pass.verify import VerificationWarning
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -154,3 +157,134 @@ def test_real_subprocess():
     assert rep["totals"]["syncs"] == 5
     assert "done [2, 3]" in proc.stderr  # in --json mode the script's stdout goes to stderr
     assert "USDT" not in proc.stderr  # the profiler's start/stop chatter is kept out
+
+
+# --------------------------------------------------------------------------------------------
+# --verify and nosync decisions in the sites table
+# --------------------------------------------------------------------------------------------
+NOSYNC_SCRIPT = """\
+import torch
+
+
+def step(x, flags):
+    if (flags > 0).any():
+        x = x * 2
+    return x + flags.sum().item()
+
+
+f = torch.compile(step, backend={backend}, options={options})
+x, flags = torch.ones(4), torch.tensor([1.0, 2.0])
+for _ in range(3):
+    x = f(x, flags)
+print("done", x.sum().item())
+"""
+
+
+def nosync_script(tmp_path, backend: str = '"nosync"', options: str = '{"codegen": "eager"}') -> str:
+    path = tmp_path / "nosync_step.py"
+    path.write_text(NOSYNC_SCRIPT.format(backend=backend, options=options))
+    return str(path)
+
+
+def test_verify_all_passed(tmp_path, capsys):
+    rc, rep = run_json(capsys, "--verify", nosync_script(tmp_path))
+    assert rc == 0
+    (v,) = rep["verification"]  # one graph: both syncs hoisted, no break
+    (cf,) = rep["compiled"]
+    assert (v["status"], v["codegen"], v["compile_id"]) == ("PASSED", "eager", cf["compile_ids"][0])
+    assert v["message"] == "" and v["mismatches"] == []
+    rc = explain.main(["--verify", nosync_script(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Verification (--verify" in out and re.search(r"PASSED\s+graph \d+/0 \(eager codegen\)", out)
+
+
+def test_verify_absent_without_flag(tmp_path, capsys):
+    rc, rep = run_json(capsys, nosync_script(tmp_path))
+    assert rc == 0 and rep["verification"] is None
+    from torchsync_pass import backend
+
+    assert [g["verified"] for g in backend.compiled_graphs()] == [None]  # not forced on
+
+
+def perturbing_codegen(gm, example_inputs, opts, mode):
+    """A wrong codegen for nosync: the FX graph with 1 added to every tensor output."""
+    import torch
+
+    def run(*args):
+        return tuple(o + 1 if isinstance(o, torch.Tensor) else o for o in gm.forward(*args))
+
+    return run
+
+
+def test_verify_failed_exits_1(tmp_path, capsys, monkeypatch):
+    from torchsync_pass import backend
+
+    monkeypatch.setattr(backend, "_codegen", perturbing_codegen)
+    with pytest.warns(VerificationWarning, match="not bitwise equal to eager"):
+        rc = explain.main(["--json", "--verify", nosync_script(tmp_path)])
+    cap = capsys.readouterr()
+    rep, err = json.loads(cap.out), cap.err
+    assert rc == 1
+    (v,) = rep["verification"]
+    assert v["status"] == "FAILED" and v["mismatches"] == ["out[0]"]
+    assert "compiled graph is not bitwise equal to eager (1 of 1 outputs differ)" in v["message"]
+    assert rep["exit_code"] == 0  # the script itself succeeded; the gate failed the run
+    assert f"--verify: 1 nosync graph(s) not bitwise equal to eager: {v['compile_id']}\n" in err
+    # text report shows the message under the FAILED line
+    with pytest.warns(VerificationWarning):
+        assert explain.main(["--verify", nosync_script(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"FAILED\s+graph \d+/0 \(eager codegen\)\n\s+nosync verify: graph", out), out
+
+
+def test_verify_script_error_wins(tmp_path, capsys, monkeypatch):
+    from torchsync_pass import backend
+
+    monkeypatch.setattr(backend, "_codegen", perturbing_codegen)
+    path = nosync_script(tmp_path)
+    with open(path, "a") as f:
+        f.write("import sys\nsys.exit(4)\n")
+    with pytest.warns(VerificationWarning):
+        rc, rep = run_json(capsys, "--verify", path)
+    assert rc == 4  # the script's own status beats the --verify gate
+    assert [v["status"] for v in rep["verification"]] == ["FAILED"]
+
+
+def test_verify_other_backends_not_verified(tmp_path, capsys):
+    # a deliberately wrong backend: not nosync, so --verify does not check it (and cannot catch it)
+    script = tmp_path / "wrong_backend.py"
+    script.write_text(
+        "import torch\n"
+        "def wrong(gm, example_inputs):\n"
+        "    return lambda *a: tuple(o + 1 for o in gm.forward(*a))\n"
+        "f = torch.compile(lambda x: x * 2, backend=wrong)\n"
+        "print(f(torch.ones(2)).tolist())\n"
+    )
+    rc, rep = run_json(capsys, "--verify", str(script))
+    assert rc == 0
+    assert rep["verification"] == []
+    assert any("nothing was verified" in n for n in rep["notes"])
+
+
+def test_nosync_decisions_in_sites_table_on_example(capsys):
+    rc, rep = run_json(
+        capsys, "--verify", EXAMPLE, "--backend", "nosync", "--steps", "5", "--codegen", "eager"
+    )
+    assert rc == 0
+    expected = marked_lines(EXAMPLE, "# sync:")
+    assert len(expected) == 5
+    by_line = {s["line"]: s for s in rep["sites"] if s["file"] == EXAMPLE}
+    for line, text in expected.items():
+        row = by_line.get(line)
+        assert row is not None, f"no sites row for {EXAMPLE}:{line}: {text.strip()}"
+        assert row["nosync"]["action"] == "hoisted", row
+        assert row["source"] == text.strip()
+    (fwd,) = [cf for cf in rep["compiled"] if cf["function"] == "forward"]
+    assert (fwd["graphs"], fwd["graph_breaks"], fwd["recompiles"]) == (1, [], [])
+    assert [v["status"] for v in rep["verification"]] == ["PASSED"]
+    text = explain.render_text(rep)
+    rel = os.path.relpath(EXAMPLE)
+    for line in expected:
+        at = text.index(f"  {rel}:{line}\n")
+        assert "[nosync: hoisted" in text[at : text.index("\n  ", text.index("[", at))], line

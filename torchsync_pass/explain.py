@@ -1,4 +1,4 @@
-"""``python -m torchsync_pass.explain [--json] [--max-syncs N] script.py [args...]``
+"""``python -m torchsync_pass.explain [--json] [--max-syncs N] [--verify] script.py [args...]``
 
 Runs a user script as ``__main__`` the way ``python -m cProfile`` does (its own ``sys.argv``, its
 folder first on ``sys.path``, its exit code kept) under ``count_syncs()`` and prints:
@@ -10,11 +10,17 @@ folder first on ``sys.path``, its exit code kept) under ``count_syncs()`` and pr
   ``torch._dynamo.explain``'s "Graph Count / Break Reasons / User Stack". That helper compiles with
   its own backend and so cannot show what the real backend (nosync) did; this report watches the
   real run instead;
-* the nosync backend's decisions (``torchsync_pass.report.DECISIONS``), also marked in the table.
+* the nosync backend's decisions (``torchsync_pass.report.DECISIONS``), also marked in the sites
+  table: every decided site has a row there, with a count of 0 when no sync ran at it (a hoisted
+  site syncs only inside the guard, once per new request);
+* with ``--verify``: every graph nosync compiled in the run, checked bitwise against the eager FX
+  graph at compile time (``backend.forced_options(verify=True)``), with its status and message.
 
 ``--json`` prints one JSON object instead (the script's own stdout then goes to stderr so stdout
 stays parseable). ``--max-syncs N`` exits 1 when the run syncs more than N times (a CI gate).
-Exit status: the script's own; 1 when it raised; 2 when the script cannot be read or compiled.
+Exit status (see ``--help``): 2 when the script cannot be read or compiled; else the script's own
+non-zero status (1 when it raised); else 1 when ``--max-syncs`` is exceeded or ``--verify`` found a
+FAILED graph; else 0.
 """
 
 from __future__ import annotations
@@ -333,7 +339,7 @@ def _mark_sync_breaks(funcs: list[CompiledFunction], sites: list[SiteKey]) -> No
 
 def build_report(
     script: str, args: list[str], outcome: _Outcome, counts: Any, funcs: list[CompiledFunction],
-    decisions: list[Decision], notes: list[str],
+    decisions: list[Decision], notes: list[str], verification: list[dict] | None = None,
 ) -> dict[str, Any]:
     latest: dict[SiteKey, Decision] = {}
     for d in decisions:
@@ -342,9 +348,16 @@ def build_report(
     sites = []
     for st in counts.sorted_sites():
         j = st.to_json()
+        j["counted"] = True
         d = _decision_for(st.site, latest)
-        j["nosync"] = None if d is None else {"action": d.action.value, "reason": d.reason.name}
+        j["nosync"] = None if d is None else _decision_mark(d)
         sites.append(j)
+    # Every nosync decision gets a row, also where no sync ran (a hoisted site syncs only in its
+    # guard, once per new request).
+    counted = list(counts.sites)
+    for key, d in sorted(latest.items(), key=lambda kv: (kv[0].file, kv[0].line)):
+        if not any(k.line == key.line and _same_file(k.file, key.file) for k in counted):
+            sites.append(_decision_row(d))
     return {
         "script": script,
         "argv": [script, *args],
@@ -354,8 +367,43 @@ def build_report(
         "sites": sites,
         "compiled": [cf.to_json() for cf in funcs],
         "nosync": [d.to_json() for d in decisions],
+        "verification": verification,
         "cuda": body["cuda"],
         "notes": body["notes"] + notes,
+    }
+
+
+def _decision_mark(d: Decision) -> dict[str, Any]:
+    return {"action": d.action.value, "reason": d.reason.name, "value": d.value,
+            "compile_id": d.compile_id}
+
+
+def _decision_row(d: Decision) -> dict[str, Any]:
+    """A sites-table row for a decided site where no sync was counted."""
+    return {
+        "file": d.site.file, "line": d.site.line, "kind": d.kind, "kinds": {}, "count": 0,
+        "host_local": 0, "source": d.source or d.site.source(), "function": d.code,
+        "calls": None, "distinct_values": None, "distinct_values_capped": False,
+        "values": [d.value] if d.value else [], "devices": [], "hoisting_candidate": False,
+        "line_exact": True, "counted": False, "nosync": _decision_mark(d),
+    }
+
+
+def _verification_entry(entry: dict) -> dict[str, Any]:
+    """One graph of ``backend.compiled_graphs()`` as the report's "verification" list shows it."""
+    v = entry.get("verified")
+    base = {"compile_id": entry.get("compile_id"), "codegen": entry.get("codegen"),
+            "mode": entry.get("mode")}
+    if v is None:  # compiled outside --verify's reach (should not happen under forced_options)
+        return {**base, "name": "", "status": "NOT_VERIFIED", "message": "", "reason": "",
+                "mismatches": []}
+    return {
+        **base,
+        "name": v.name,
+        "status": v.status.name,  # PASSED / FAILED / SKIPPED
+        "message": v.message,
+        "reason": v.reason,
+        "mismatches": [m.path for m in v],
     }
 
 
@@ -421,7 +469,10 @@ def render_text(rep: dict[str, Any], max_sites: int = 40) -> str:
             if s["host_local"]:
                 flags.append(f"host-local x{s['host_local']}")
             if s["nosync"]:
-                flags.append(f"nosync: {s['nosync']['action']}")
+                val = f" = {s['nosync']['value']}" if s["nosync"].get("value") else ""
+                flags.append(f"nosync: {s['nosync']['action']}{val}")
+            if not s.get("counted", True):
+                flags.append("no sync counted at this line")
             if not s["line_exact"]:
                 flags.append("line inferred")
             out.append(f"  {n:>6} {s['kind']:<12} {calls:>6} {vals:>7}  {_rel(s['file'])}:{s['line']}")
@@ -463,6 +514,19 @@ def render_text(rep: dict[str, Any], max_sites: int = 40) -> str:
         val = f" = {d['value']}" if d.get("value") else ""
         out.append(f"  {_rel(d['site']['file'])}:{d['site']['line']}: {d['action']} {d['kind']}{val}")
         out.append(f"      {d['reason_text']}{' (' + d['detail'] + ')' if d.get('detail') else ''}")
+    if rep.get("verification") is not None:
+        out.append("")
+        out.append("Verification (--verify: each nosync graph vs the eager FX graph, bitwise)")
+        if not rep["verification"]:
+            out.append("  (none: the nosync backend compiled no graph in this run)")
+        for v in rep["verification"]:
+            mode = f", mode {v['mode']}" if v.get("mode") else ""
+            out.append(f"  {v['status']:<8} graph {v['compile_id'] or '?'} ({v['codegen']} codegen{mode})")
+            if v["status"] != "PASSED" and v["message"]:
+                lines = v["message"].splitlines()
+                out.extend(f"           {ln}" for ln in lines[:12])
+                if len(lines) > 12:
+                    out.append(f"           ... ({len(lines) - 12} more lines, see --json)")
     for n in rep["notes"]:
         out.append(f"note: {n}")
     return "\n".join(out)
@@ -471,14 +535,32 @@ def render_text(rep: dict[str, Any], max_sites: int = 40) -> str:
 # --------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------
+_EPILOG = """\
+exit status (first that applies):
+  2  the script cannot be read or compiled, or explain's own options are wrong (nothing ran)
+  N  the script's own non-zero status: its sys.exit code, or 1 when it raised (report first,
+     then its traceback); the gates below still print their message but do not change it
+  1  the script succeeded but a gate failed: the run synced more than --max-syncs N times,
+     or --verify found a graph that is not bitwise equal to eager (FAILED)
+  0  otherwise. Under --verify a SKIPPED graph (the check could not run) is listed in the
+     report, and does not fail the run; graphs of other backends are not verified.
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Run a script and report its host syncs, graph breaks and nosync decisions.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--max-syncs", type=int, metavar="N", default=None,
                    help="exit 1 when the run syncs more than N times (CI gate)")
+    p.add_argument("--verify", action="store_true",
+                   help="compare every graph the nosync backend compiles in the run bitwise with "
+                   "the eager FX graph at compile time (options verify=True forced on); list "
+                   "each graph's status and exit 1 when one FAILED")
     p.add_argument("--max-sites", type=int, metavar="N", default=40,
                    help="sites shown in the text report (default 40)")
     p.add_argument("--no-profiler", action="store_true",
@@ -505,17 +587,33 @@ def main(argv: list[str] | None = None) -> int:
 
     counting.register_file(ns.script)
     n_decisions = len(DECISIONS.all())
+    verify_ctx: Any = contextlib.nullcontext()
+    graphs_before: list[dict] = []
+    if ns.verify:
+        # imported before the watcher and counter start: its import-time hook self-test compiles
+        # probes of its own
+        from . import backend
+
+        graphs_before = backend.compiled_graphs()  # kept alive, so their ids stay unique
+        verify_ctx = backend.forced_options(verify=True)
     watcher = _CompileWatcher()
     watcher.start()
     counter = counting.count_syncs(profiler=not ns.no_profiler)
-    with counter:
+    with counter, verify_ctx:
         outcome = _run(code, ns.script, list(ns.args), stdout_to_stderr=ns.json)
     # the nosync self-test compiles tiny probes of its own at import: not the user's functions
     funcs = [f for f in watcher.stop() if not counting._is_internal_file(os.path.abspath(f.file))]
     _mark_sync_breaks(funcs, list(counter.sites))
     notes = [watcher.note] if watcher.note else []
+    verification = None
+    if ns.verify:
+        seen = {id(e) for e in graphs_before}
+        verification = [_verification_entry(e) for e in backend.compiled_graphs() if id(e) not in seen]
+        if not verification:
+            notes.append("--verify: the nosync backend compiled no graph in this run; nothing was verified")
     rep = build_report(
-        ns.script, list(ns.args), outcome, counter, funcs, DECISIONS.all()[n_decisions:], notes
+        ns.script, list(ns.args), outcome, counter, funcs, DECISIONS.all()[n_decisions:], notes,
+        verification,
     )
     if ns.json:
         print(json.dumps(rep, indent=2, default=str))
@@ -527,6 +625,12 @@ def main(argv: list[str] | None = None) -> int:
     status = outcome.exit_code
     if ns.max_syncs is not None and counter.total > ns.max_syncs:
         print(f"{PROG}: {counter.total} host syncs > --max-syncs {ns.max_syncs}", file=sys.stderr)
+        status = status or 1
+    failed = [v for v in verification or () if v["status"] == "FAILED"]
+    if failed:
+        ids = ", ".join(str(v["compile_id"] or "?") for v in failed)
+        print(f"{PROG}: --verify: {len(failed)} nosync graph(s) not bitwise equal to eager: {ids}",
+              file=sys.stderr)
         status = status or 1
     return status
 
