@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import dynamo_hooks, guards
+from . import cone, dynamo_hooks, guards
 from .errors import NosyncError, NosyncOptionsError
 from .report import DECISIONS, Action
 
@@ -197,6 +197,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
 
         # NOTE: copy before codegen: Inductor's pre-grad passes rewrite gm in place.
         reference = verify.reference_graph(gm)
+    if cone.remove_dead_cones(gm):
+        log.debug("nosync: removed the dead cones of hoisted syncs from graph %s", compile_id)
     try:
         compiled = _codegen(gm, example_inputs, opts, mode)
     except Exception:

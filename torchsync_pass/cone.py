@@ -323,3 +323,38 @@ def extract_cone(
     new.output(env[node])
     new.lint()
     return fx.GraphModule(torch.nn.Module(), new, class_name="NosyncCone")
+
+
+def remove_dead_cones(gm: fx.GraphModule) -> bool:
+    """Drop the computations of hoisted syncs that nothing reads any more. Returns "modified".
+
+    When a sync is hoisted, Dynamo has already put its cone into the graph (``eq = tt == 0;
+    any_1 = eq.any()``) and the constant replaced only the *use* of ``any_1``. Inductor removes such
+    dead nodes itself, but ``codegen="eager"`` runs the FX graph as is and would recompute every
+    cone at every step. Only nodes without users that are plain ops (no in-place, random, internal or
+    higher-order op: the same test the cone analysis uses) are removed, so the outputs, and every
+    write the graph makes, stay exactly as they were.
+
+    Before::
+
+        eq = l_token_types_ == 0
+        any_1 = eq.any();  eq = any_1 = None
+        embedding = torch.nn.functional.embedding(l_token_types_, ...)
+
+    After::
+
+        embedding = torch.nn.functional.embedding(l_token_types_, ...)
+    """
+    graph = gm.graph
+    modified = False
+    for node in reversed(list(graph.nodes)):
+        if node.op not in ("call_function", "call_method") or node.users:
+            continue
+        if _impure_reason(node) is not None or node.is_impure():
+            continue
+        graph.erase_node(node)
+        modified = True
+    if modified:
+        graph.lint()
+        gm.recompile()
+    return modified
