@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import dynamo_hooks
-from .report import SiteKey
+from .report import SiteKey, current_guard_site
 
 log = logging.getLogger(__name__)
 
@@ -380,6 +380,10 @@ def _is_import_machinery(filename: str) -> bool:
 
 
 def _site_of(frame: Any) -> tuple[SiteKey, str, tuple | None]:
+    hoisted = current_guard_site()
+    if hoisted is not None:
+        # a nosync guard re-running a hoisted cone: the sync belongs to the hoisted line
+        return hoisted, "nosync guard", None
     uf = _user_frame(frame)
     if uf is None or _is_import_machinery(uf.f_code.co_filename):
         # NOTE: reads done while a module is being imported (e.g. the nosync backend's

@@ -36,7 +36,7 @@ import torch
 
 from . import dynamo_hooks
 from .cone import ConeResult, analyze_cone
-from .report import DECISIONS, Action, Decision, Reason, SiteKey
+from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
 
 log = logging.getLogger("torchsync_pass")
 
@@ -185,12 +185,13 @@ class ConeState:
     result: ConeResult
     memo: ConeMemo
     kind: str
+    site: SiteKey
 
     def evaluate(self, leaves: tuple) -> _Entry:
         """Run the cone on these leaves: one real sync. Stores the value in the memo."""
         module = self.result.module
         assert module is not None
-        with torch.no_grad():
+        with torch.no_grad(), guard_site(self.site):
             out = module(*leaves)
             value = _CONVERT[self.kind](out)
         key = value_key(value)
@@ -315,7 +316,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     cone = state.cones.get(fp)
     if cone is None:
         identity_only = tuple(l.inference for l in result.leaves)
-        cone = ConeState(result, ConeMemo(identity_only), site.kind)
+        cone = ConeState(result, ConeMemo(identity_only), site.kind, state.site)
         state.cones[fp] = cone
     try:
         entry, synced = cone.current(leaves)

@@ -125,6 +125,31 @@ def decisions() -> list[Decision]:
     return DECISIONS.all()
 
 
+_guard_tls = threading.local()
+
+
+class guard_site:
+    """Marks a nosync guard re-running the cone of ``site`` (its one real sync per request).
+
+    The sync counter attributes reads made inside to the hoisted line instead of Dynamo's
+    generated guard code.
+    """
+
+    def __init__(self, site: SiteKey) -> None:
+        self.site = site
+
+    def __enter__(self) -> None:
+        self.saved = getattr(_guard_tls, "site", None)
+        _guard_tls.site = self.site
+
+    def __exit__(self, *exc: Any) -> None:
+        _guard_tls.site = self.saved
+
+
+def current_guard_site() -> "SiteKey | None":
+    return getattr(_guard_tls, "site", None)
+
+
 def render_decisions(items: Iterable[Decision]) -> str:
     lines = [d.describe() for d in items]
     return "\n".join(lines) if lines else "(no nosync decisions)"
