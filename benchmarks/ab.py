@@ -49,6 +49,7 @@ for _p in (ROOT, ROOT / "examples"):
         sys.path.insert(0, str(_p))
 
 import torchsync_pass  # noqa: E402  (registers the "nosync" backend in a source checkout)
+from torchsync_pass.verify import compare_outputs  # noqa: E402
 
 # Targets from issue 3 (acceptance criteria, not measurements).
 TARGET_NOSYNC_VS_HOISTED = 1.2  # nosync per-step median at most this times the hand-hoisted one
@@ -145,35 +146,13 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _profiler_sync_counts(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
-    """Fallback counter: ``aten::_local_scalar_dense`` events (and CUDA runtime syncs on CUDA).
-
-    NOTE: ``.tolist()`` of a CPU tensor dispatches no aten op, so on CPU this misses it;
-    ``torchsync_pass.count_syncs`` counts it (at the Python level) when that module exists.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        fn()
-        sync_device(device)
-    names: dict[str, int] = {}
-    for ev in prof.events():
-        names[ev.name] = names.get(ev.name, 0) + 1
-    out = {"syncs": names.get("aten::_local_scalar_dense", 0)}
-    if device.type == "cuda":
-        out["stream_syncs"] = names.get("cudaStreamSynchronize", 0) + names.get("cudaDeviceSynchronize", 0)
-    return out
-
-
 def count_syncs(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
-    """Syncs made while running ``fn``: the package counter when present, else the profiler."""
-    try:
-        from torchsync_pass.counting import count_syncs as package_counter
+    """Syncs made while running ``fn``, counted by ``torchsync_pass.count_syncs``.
 
-        c = package_counter(stacks=False)
-    except Exception:  # not there yet, or broken on this torch: the profiler still counts
-        return _profiler_sync_counts(fn, device)
+    On CPU every host read counts as the sync it would be on a GPU (``.tolist()`` included,
+    which the profiler alone misses); on CUDA also the runtime's stream/device synchronizations.
+    """
+    c = torchsync_pass.count_syncs(stacks=False)
     with c:
         fn()
         sync_device(device)
@@ -184,24 +163,14 @@ def count_syncs(fn: Callable[[], Any], device: torch.device) -> dict[str, int]:
 
 
 def sync_counter_name() -> str:
-    try:
-        importlib.import_module("torchsync_pass.counting")
-        return "torchsync_pass.count_syncs (on CPU every host read counts as the sync it would be on a GPU)"
-    except ImportError:
-        return "profiler (aten::_local_scalar_dense; misses CPU .tolist())"
+    return "torchsync_pass.count_syncs (on CPU every host read counts as the sync it would be on a GPU)"
 
 
 def bitwise_equal(a, b) -> bool:
-    """torch.equal plus dtype, shape and stride (the package's verify.compare_outputs when it lands)."""
+    """Bitwise equality as ``torchsync_pass.verify.compare_outputs`` defines it."""
     if a is None or b is None:
         return False
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.device == b.device
-        and torch.equal(a, b)
-    )
+    return not compare_outputs(a, b)
 
 
 def max_abs_diff(a, b) -> float | None:
