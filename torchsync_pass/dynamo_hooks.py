@@ -370,23 +370,37 @@ def is_fake(t: Any) -> bool:
 # The hooks
 # --------------------------------------------------------------------------------------------
 _METHOD_HOOKS = {
-    # sync kind: TensorVariable attribute names that implement it, newest torch first
+    # sync kind: TensorVariable attribute names that implement it, newest torch first. A final
+    # None: torch older than SUPPORTED_TORCH (TORCHSYNC_PASS_ANY_TORCH=1 experiments only) has no
+    # hook point of its own for this kind. There (torch 2.11) BuiltinVariable.call_bool/call_int/
+    # call_float call Tensor.item(), so bool(t)/int(t)/float(t) reach the "item" hook (site kind
+    # "item"), and operator.index(t) always graph-breaks (stock). Ignored on supported torch.
     "item": ("method_item",),
     "tolist": ("method_tolist",),
-    "bool": ("nb_bool_impl", "bool_impl"),  # renamed in torch 2.14
-    "int": ("nb_int_impl",),
-    "float": ("nb_float_impl",),
-    "index": ("nb_index_impl",),
+    "bool": ("nb_bool_impl", "bool_impl", None),  # renamed in torch 2.14
+    "int": ("nb_int_impl", None),
+    "float": ("nb_float_impl", None),
+    "index": ("nb_index_impl", None),
 }
 
 
-def _method_attr(kind: str) -> str:
+def _method_attr(kind: str) -> Optional[str]:
+    """The hook point of ``kind``; None only on torch older than SUPPORTED_TORCH (see above)."""
     from torch._dynamo.variables.tensor import TensorVariable
 
     for attr in _METHOD_HOOKS[kind]:
-        if hasattr(TensorVariable, attr):
+        if attr is None:
+            if _torch_version() < SUPPORTED_TORCH[0]:
+                return None
+        elif hasattr(TensorVariable, attr):
             return attr
-    raise AttributeError(f"TensorVariable has none of {', '.join(_METHOD_HOOKS[kind])}")
+    raise AttributeError(f"TensorVariable has none of {', '.join(filter(None, _METHOD_HOOKS[kind]))}")
+
+
+def _torch_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
 _fired: dict[str, int] = {}
 
 
@@ -544,6 +558,8 @@ def _patch() -> None:
 
     for kind in _METHOD_HOOKS:
         attr = _method_attr(kind)  # AttributeError: hook point missing
+        if attr is None:  # older torch: reaches another hook, or stays stock (see _METHOD_HOOKS)
+            continue
         original = getattr(TensorVariable, attr)
         _originals[f"TensorVariable.{attr}"] = original
         hook = _make_method_hook(attr, kind, original)
@@ -662,7 +678,11 @@ def _self_test_fns() -> dict[str, Callable]:
         try:
             attr = _method_attr(kind)
         except AttributeError:
-            attr = "|".join(_METHOD_HOOKS[kind])
+            attr = "|".join(filter(None, _METHOD_HOOKS[kind]))
+        if attr is None:  # older torch, no hook point of its own: bool/int/float via Tensor.item()
+            if kind != "index":  # operator.index(t) stays a stock graph break there: not tested
+                out[f"{kind}() via TensorVariable.method_item"] = fn
+            continue
         out[f"TensorVariable.{attr}"] = fn
     out["generic_jump (dispatch_table)"] = f_jump
     return out
