@@ -89,6 +89,10 @@ read -r TORCH_VER OLD_TORCH HAS_CUDA < <("$PY" -c "
 import torch
 v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2])
 print(torch.__version__, int(v < (2, 13)), int(torch.cuda.is_available()))" 2>/dev/null || echo "? 0 0")
+if [ "$TORCH_VER" = "?" ]; then
+  say "could not import torch with $PY: nothing to check"
+  exit 1
+fi
 if [ "$OLD_TORCH" = 1 ]; then
   export TORCHSYNC_PASS_ANY_TORCH=1
   EXPERIMENT="EXPERIMENT ON AN UNSUPPORTED TORCH: torch $TORCH_VER is older than the supported 2.13-2.15; TORCHSYNC_PASS_ANY_TORCH=1 is set for this experiment (version check skipped; the hook self-test still decides whether the pass is on)"
