@@ -78,6 +78,8 @@ class SyncSite:
     in_root_tracer: bool
     fullgraph: bool
     options: Any  # the raw options of the nosync backend
+    frame_code: Any = None  # code object of the frame being compiled (owns the cache entries)
+    frame_compile: int = 0  # how many times that frame was compiled before (0: first compile)
     leaves: list[Leaf] = field(default_factory=list)
     _tx: Any = None  # the translator; opaque outside this module
 
@@ -208,6 +210,8 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
         in_root_tracer=output.current_tracer is output.root_tracer,
         fullgraph=bool(getattr(tx, "one_graph", False)),
         options=options,
+        frame_code=output.root_tx.f_code,
+        frame_compile=_frame_compile_index(),
         _tx=tx,
     )
     for n in node.graph.nodes:
@@ -218,8 +222,25 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
     return site
 
 
+def _frame_compile_index() -> int:
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    return int(getattr(cid, "frame_compile_id", 0) or 0)
+
+
+def recompile_limit() -> int:
+    import torch._dynamo.config as cfg
+
+    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+
+
 def _ask_policy(tx: Any, var: Any, kind: str) -> tuple[bool, Any, Optional[SyncSite]]:
     """(True, value, site) to hoist; (False, why_not, site) to leave it to stock Dynamo."""
+    if getattr(_state, "in_stock", False):
+        # NOTE: stock Dynamo's handler for a sync we declined can reach another hook for the same
+        # instruction (its bool handler calls item); that is the same sync, already decided.
+        return False, None, None
     options = _nosync_options(tx)
     if options is None:
         return False, None, None
@@ -240,14 +261,19 @@ def _ask_policy(tx: Any, var: Any, kind: str) -> tuple[bool, Any, Optional[SyncS
 
 def _stock(site: Optional[SyncSite], why_not: Any, run: Callable[[], Any]) -> Any:
     """Run Dynamo's own handler; under fullgraph=True, replace its generic error with ours."""
-    if site is None or not site.fullgraph or not why_not:
-        return run()
-    from torch._dynamo.exc import Unsupported
-
+    saved = getattr(_state, "in_stock", False)
+    _state.in_stock = site is not None
     try:
-        return run()
-    except Unsupported:
-        unsupported(site, str(why_not))
+        if site is None or not site.fullgraph or not why_not:
+            return run()
+        from torch._dynamo.exc import Unsupported
+
+        try:
+            return run()
+        except Unsupported:
+            unsupported(site, str(why_not))
+    finally:
+        _state.in_stock = saved
 
 
 def _const(tx: Any, value: Any) -> Any:

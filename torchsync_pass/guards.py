@@ -176,8 +176,17 @@ class Spec:
                 continue  # freed: the previous step's tensor is gone
             if old is cur and ver is not None and not cur.is_inference() and cur._version != ver:
                 continue  # same object written in place
+            if old is not cur and _same_storage(old, cur):
+                continue  # the next element of one table (``for t in scheduler.timesteps``)
             return False
         return True
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except Exception:
+        return False
 
 
 @dataclass
@@ -234,6 +243,8 @@ def reset() -> None:
     with _lock:
         _sites.clear()
         _recorded.clear()
+        _budget_frames.clear()
+        _recompiles_seen.clear()
     DECISIONS.clear()
 
 
@@ -290,14 +301,25 @@ def _trace_structured(d: Decision) -> None:
 
 def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     """The policy: (True, value) to hoist, (False, why_not) to leave the sync to Dynamo."""
-    key = (site.code, site.offset, site.kind)
+    # NOTE: one source position is one sync, whichever handler saw it, and whether Dynamo traces
+    # it in the function or in a resume function after a graph break (another code object).
+    key = (site.file, site.line, site.col)
     compile_id = dynamo_hooks.current_compile_id()
+    _count_recompile(site, compile_id)
     with _lock:
         state = _sites.get(key)
         if state is None:
             state = SiteState(site.code, site.offset, site.kind, SiteKey(site.file, site.line),
                               site.source_line, site.code_name)
             _sites[key] = state
+    if state.demoted is None and _budget_exhausted(site):
+        state.demoted = Reason.RECOMPILE_BUDGET
+        state.demoted_detail = (
+            f"compile {site.frame_compile + 1} of {site.frame_code.co_name}; "
+            f"recompile_limit is {dynamo_hooks.recompile_limit()}"
+        )
+        _record(state, Action.DEMOTED, Reason.RECOMPILE_BUDGET, state.demoted_detail, compile_id=compile_id)
+        return False, f"demoted: {Reason.RECOMPILE_BUDGET.value}"
     if state.demoted is not None:
         _record(state, Action.REJECTED, Reason.DISABLED, state.demoted.value, compile_id=compile_id)
         return False, f"demoted earlier: {state.demoted.value}"
@@ -338,8 +360,6 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
             state.demoted, state.demoted_detail = reason, detail
             _record(state, Action.DEMOTED, reason, detail, compile_id=compile_id)
             return False, f"demoted: {reason.value}"
-        if state.specs:
-            counters()["recompiles"] += 1
         spec = Spec(
             value,
             entry.key,
@@ -356,6 +376,38 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
             "speculated invariant" if result.speculative else "", value,
             tuple(l.name for l in result.leaves), compile_id=compile_id)
     return True, value
+
+
+_budget_frames: set = set()
+_recompiles_seen: set = set()
+
+
+def _budget_exhausted(site: dynamo_hooks.SyncSite) -> bool:
+    """True once the frame has used half of ``recompile_limit``.
+
+    ``max_specializations`` bounds the values of one site, but Dynamo keeps one cache entry per
+    *combination* of hoisted values (4 two-valued sites: 16 entries). From this compile on, every
+    site of the frame is demoted, so the entry compiled now serves every later value. The other
+    half of the budget stays for Dynamo's own reasons to recompile (dtype or shape changes, ints
+    passed across a graph break), so the frame does not reach the limit because of our guards.
+    """
+    if site.frame_code in _budget_frames:
+        return True
+    if site.frame_compile >= max(1, dynamo_hooks.recompile_limit() // 2):
+        _budget_frames.add(site.frame_code)
+        return True
+    return False
+
+
+def _count_recompile(site: dynamo_hooks.SyncSite, compile_id: Optional[str]) -> None:
+    """counters['nosync']['recompiles']: compiles of a nosync frame after its first one."""
+    if site.frame_compile > 0 and compile_id is not None:
+        key = (site.frame_code, compile_id)
+        with _lock:
+            if key in _recompiles_seen:
+                return
+            _recompiles_seen.add(key)
+        counters()["recompiles"] += 1
 
 
 def _why(reason: Reason, detail: str) -> str:

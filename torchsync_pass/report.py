@@ -57,6 +57,7 @@ class Reason(enum.Enum):
     # DEMOTED
     TOO_MANY_VALUES = "the value took more distinct values than max_specializations"
     LEAVES_CHANGE = "its leaves change identity on most calls"
+    RECOMPILE_BUDGET = "its frame used up the recompile budget; compiled the stock way from now on"
 
 
 @dataclass(frozen=True)
