@@ -32,7 +32,7 @@
 #
 # Knobs: PYTHON (default: python3, /opt/torch/.venv/bin/python3, .venv/bin/python),
 # GPU_CHECK_BUDGET_S, AB_EXAMPLES (comma-separated, in the order to run; default
-# diffusion-tiny,decode), AB_ARGS (ab.py arguments replacing the default "--repeats 5 --no-guard").
+# diffusion-tiny,decode,diffusion-large,prefill), AB_ARGS (ab.py arguments replacing the default "--repeats 5 --no-guard").
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -51,7 +51,7 @@ mkdir -p "$OUTDIR"
 BUDGET="${GPU_CHECK_BUDGET_S:-420}"
 T_ENV=150
 T_TESTS=120
-AB_EXAMPLES="${AB_EXAMPLES:-diffusion-tiny,decode}"
+AB_EXAMPLES="${AB_EXAMPLES:-diffusion-tiny,decode,diffusion-large,prefill}"
 AB_ARGS="${AB_ARGS:---repeats 5 --no-guard}"
 START=$(date +%s)
 export PYTHONUNBUFFERED=1

@@ -44,7 +44,8 @@ class Denoiser(nn.Module):
 
     def time_embed(self, t: torch.Tensor) -> torch.Tensor:
         half = self.dim // 2
-        freqs = torch.exp(torch.arange(half, dtype=torch.float32) * (-math.log(1e4) / half))
+        steps = torch.arange(half, dtype=torch.float32, device=t.device)
+        freqs = torch.exp(steps * (-math.log(1e4) / half))
         ang = t.float()[None] * freqs
         return torch.cat([ang.sin(), ang.cos()])
 

@@ -752,7 +752,10 @@ def _process_events(raw: list[Any], mode: str) -> tuple[list[_Event], collection
             if str(e.device_type()).endswith("CUDA"):
                 if name.startswith("Memcpy DtoH"):
                     gpu_dtoh.add(e.correlation_id())
-                continue
+                # NOTE: some builds report the runtime API calls (cudaStreamSynchronize, ...)
+                # with the CUDA device type too: keep those, drop kernels and GPU-side copies.
+                if name not in _CUDA_SYNC and name != "cudaMemcpyAsync":
+                    continue
             ev = _Ev(name, e.start_ns(), e.end_ns(), e.start_thread_id(), is_py, e.correlation_id())
         except Exception:
             continue

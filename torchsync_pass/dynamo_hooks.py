@@ -189,13 +189,30 @@ def _leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
     return Leaf(node=node, source=src, example=example, role=_role(src, example))
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _user_translator(tx: Any) -> Any:
+    """The innermost translator running user code.
+
+    NOTE: a sync can be traced inside torch's own Python, e.g. ``torch.device("cuda")``'s
+    ``__torch_function__`` (torch/utils/_device.py) that Dynamo inlines around every call under
+    that context; the site is where the user's code called into it.
+    """
+    t = tx
+    while t is not None and t.f_code.co_filename.startswith(_TORCH_DIR):
+        t = getattr(t, "parent", None)
+    return t if t is not None else tx
+
+
 def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
-    inst = tx.current_instruction
-    code = tx.f_code
+    utx = _user_translator(tx)
+    inst = utx.current_instruction
+    code = utx.f_code
     positions = getattr(inst, "positions", None)
     line = (positions.lineno if positions is not None and positions.lineno else None) or getattr(
         inst, "starts_line", None
-    ) or tx.lineno
+    ) or utx.lineno
     col = positions.col_offset if positions is not None and positions.col_offset is not None else 0
     node = var.as_proxy().node
     output = tx.output
