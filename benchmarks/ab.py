@@ -123,7 +123,9 @@ EXAMPLES = {
         Example("diffusion-tiny", "diffusion_loop", "tiny", 50, 50, 4, 2, True,
                 note="CPU-bound: a handful of small kernels per step"),
         Example("diffusion-large", "diffusion_loop", "large", 10, 8, 2, 2, True,
-                note="compute-bound: 1,088 tokens x 512 dims"),
+                note="compute-bound on a CPU: 1,088 tokens x 512 dims"),
+        Example("diffusion-xl", "diffusion_loop", "xl", 10, 5, 2, 2, True,
+                note="GPU only: 4,352 tokens x 2,048 dims, compute-bound on a datacenter GPU"),
         # The bench request decodes to max_new with the stop check run (and synced) every step but
         # never firing, so every repeat times the same number of steps.
         Example("decode", "decode_loop", "tiny", 48, 30, 4, 2, True, (("stop_ids", ()),),
@@ -779,8 +781,9 @@ def _csv(choices, what):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--examples", type=_csv(tuple(EXAMPLES), "example"), default=list(EXAMPLES),
-                   help=f"comma-separated, from {', '.join(EXAMPLES)} (default: all)")
+    p.add_argument("--examples", type=_csv(tuple(EXAMPLES), "example"), default=None,
+                   help=f"comma-separated, from {', '.join(EXAMPLES)} "
+                   "(default: all; diffusion-xl only on CUDA)")
     p.add_argument("--variants", type=_csv(VARIANTS, "variant"), default=list(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {', '.join(VARIANTS)} (default: all that apply)")
     p.add_argument("--quick", action="store_true", help="few steps and repeats: a smoke test, not a measurement")
@@ -802,6 +805,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available in this torch build or machine")
+    if args.examples is None:  # diffusion-xl takes seconds per step on a CPU
+        args.examples = [n for n in EXAMPLES if args.device.startswith("cuda") or n != "diffusion-xl"]
     return args
 
 
@@ -815,19 +820,6 @@ def _int_tuple(s: str) -> tuple[int, ...]:
     return vals
 
 
-def prime_nosync() -> None:
-    """Compile one trivial function with nosync before anything else.
-
-    NOTE: the nosync backend installs its Dynamo hooks on first use and self-tests them, and that
-    self-test calls ``torch._dynamo.reset()``, which drops every function compiled so far in the
-    process (they silently recompile on their next call). Priming it first keeps the variants
-    measured here from paying that reset.
-    """
-    f = torch.compile(lambda x: x + 1, backend="nosync", options={"codegen": "eager"})
-    f(torch.zeros(1))
-    reset_dynamo()
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     load_start = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
@@ -836,8 +828,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(threads)
     if not args.verbose:
         logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
-    if any(v.startswith(("nosync", "cudagraphs")) for v in args.variants):
-        prime_nosync()
     results: list[Result] = []
     for name in args.examples:
         ex = EXAMPLES[name]

@@ -51,7 +51,7 @@ mkdir -p "$OUTDIR"
 BUDGET="${GPU_CHECK_BUDGET_S:-420}"
 T_ENV=150
 T_TESTS=120
-AB_EXAMPLES="${AB_EXAMPLES:-diffusion-tiny,decode,diffusion-large,prefill}"
+AB_EXAMPLES="${AB_EXAMPLES:-diffusion-tiny,decode,diffusion-large,diffusion-xl,prefill}"
 AB_ARGS="${AB_ARGS:---repeats 5 --no-guard}"
 START=$(date +%s)
 export PYTHONUNBUFFERED=1

@@ -29,7 +29,8 @@ TEXT, IMAGE, PAD = 0, 1, 2
 SIZES = {
     # name: (hidden dim, image grid side, text tokens)
     "tiny": (32, 4, 8),  # CPU-bound: the step is a handful of small kernels
-    "large": (512, 32, 64),  # compute-bound: 1,088 tokens x 512 dims
+    "large": (512, 32, 64),  # compute-bound on a CPU: 1,088 tokens x 512 dims
+    "xl": (2048, 64, 256),  # compute-bound on a datacenter GPU: 4,352 tokens x 2,048 dims
 }
 
 

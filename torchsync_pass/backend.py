@@ -190,7 +190,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         raise NosyncOptionsError(f"nosync: unknown mode {mode!r}; valid modes are: {', '.join(MODES)}")
     compile_id = dynamo_hooks.current_compile_id()
     if opts.cudagraphs:
-        _check_cudagraphs(example_inputs, compile_id)
+        _check_cudagraphs(gm, example_inputs, compile_id)
     reference = None
     if opts.verify:
         from . import verify
@@ -241,7 +241,7 @@ def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     return compile_fx(gm, example_inputs, config_patches=patches or None)
 
 
-def _check_cudagraphs(example_inputs: list, compile_id: Optional[str]) -> None:
+def _check_cudagraphs(gm: torch.fx.GraphModule, example_inputs: list, compile_id: Optional[str]) -> None:
     devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
     if "cuda" not in devices or not torch.cuda.is_available():
         raise NosyncOptionsError(
@@ -256,6 +256,12 @@ def _check_cudagraphs(example_inputs: list, compile_id: Optional[str]) -> None:
         raise NosyncError(
             "nosync: options['cudagraphs']=True but a sync remains in the step, so the step "
             f"cannot be captured as one CUDA graph: {sites}"
+        )
+    broken = dynamo_hooks.graph_break_context(gm)
+    if broken is not None:
+        raise NosyncError(
+            "nosync: options['cudagraphs']=True but this graph is not the whole step, so the step "
+            f"cannot be captured as one CUDA graph: {broken}"
         )
 
 

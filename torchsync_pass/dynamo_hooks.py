@@ -389,6 +389,23 @@ def current_compile_id() -> Optional[str]:
     return None if cid is None else str(cid)
 
 
+def graph_break_context(gm: torch.fx.GraphModule) -> Optional[str]:
+    """Why ``gm`` is not a whole step, or None: it ends at a graph break, or it is the graph of a
+    resume function (the code after an earlier break)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None:
+        return None
+    for frame in getattr(reason, "user_stack", None) or ():
+        if str(getattr(frame, "name", "")).startswith("torch_dynamo_resume_in_"):
+            return f"it resumes after a graph break ({frame.filename}:{frame.lineno})"
+    if getattr(reason, "graph_break", False):
+        where = reason.user_stack[-1] if reason.user_stack else None
+        at = f" at {where.filename}:{where.lineno}" if where is not None else ""
+        first = str(reason.reason).strip().splitlines()[0] if reason.reason else "graph break"
+        return f"it ends at a graph break{at}: {first}"
+    return None
+
+
 def compiling() -> bool:
     """True while Dynamo compiles a frame in this thread (it evaluates new guards then too)."""
     ctx = _compile_context_try_get()
