@@ -306,25 +306,61 @@ def _const(tx: Any, value: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # Guard installation and errors
 # --------------------------------------------------------------------------------------------
-def add_lambda_guard(site: SyncSite, check: Callable[[dict, dict], bool], description: str) -> None:
-    """Install ``check(L, G) -> bool`` as an epilogue guard of the frame being traced.
+class _GuardGroup:
+    """All nosync checks of one compiled frame, run by a single epilogue lambda guard.
 
-    Epilogue guards run after every other guard passed, so the leaf sources that ``check``
-    evaluates are already known to exist with the expected types.
+    Each hoisted site still installs its own ``Guard`` (so Dynamo's own bookkeeping, including
+    rolling back guards of abandoned speculation, decides which sites survive), but their
+    ``create_fn``s only add the site's check to this group; the first one emits one lambda guard
+    that runs them all. One call from the guard manager per frame instead of one per site.
+    """
+
+    def __init__(self) -> None:
+        self.checks: list[Callable[[Any, Any], bool]] = []
+        self.descriptions: list[str] = []
+        self.emitted: set[int] = set()
+
+    def __call__(self, L: Any, G: Any) -> bool:
+        for i, check in enumerate(self.checks):
+            if not check(L, G):
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("nosync guard failed: %s", self.descriptions[i])
+                return False
+        return True
+
+    def create_fn(self, check: Callable, description: str) -> Callable[[Any, Any], None]:
+        def create(builder: Any, guard: Any) -> None:
+            self.checks.append(check)
+            self.descriptions.append(description)
+            if id(builder) in self.emitted:
+                return
+            self.emitted.add(id(builder))
+            name = f"___nosync_guards_{id(self):x}"
+            builder.add_python_lambda_leaf_guard_to_root(
+                [f"{name}(L, G)"],
+                [f"nosync: a hoisted value changed (first site: {description}; "
+                 "TORCH_LOGS=+torchsync_pass names the one that changed)"],
+                closure_vars={name: self},
+            )
+
+        return create
+
+
+def add_lambda_guard(site: SyncSite, check: Callable[[Any, Any], bool], description: str) -> None:
+    """Guard the frame being traced with ``check(L, G) -> bool`` (an epilogue guard).
+
+    Epilogue guards run after every other guard passed. ``check`` must catch its own errors (a
+    leaf source that no longer resolves) and answer False.
     """
     from torch._dynamo.guards import install_guard
     from torch._guards import Guard
 
-    name = f"___nosync_guard_{id(check):x}"
-
-    def create_fn(builder: Any, guard: Any) -> None:
-        builder.add_python_lambda_leaf_guard_to_root(
-            [f"{name}(L, G)"],
-            [f"nosync: {description}"],
-            closure_vars={name: check},
-        )
-
-    install_guard(Guard(_guard_source(site), create_fn))
+    output = site._tx.output
+    group = output.__dict__.get("_nosync_guard_group")
+    if group is None:
+        group = _GuardGroup()
+        output.__dict__["_nosync_guard_group"] = group
+    install_guard(Guard(_guard_source(site), group.create_fn(check, description)))
 
 
 def _guard_source(site: SyncSite) -> Any:

@@ -114,31 +114,42 @@ class ConeMemo:
         return tuple([_fingerprint(t, io) for t, io in zip(leaves, self.identity_only)])
 
     def lookup(self, leaves: tuple) -> Optional[_Entry]:
-        # Hot path (every guard evaluation): plain loops, no generators.
+        # Hot path (every guard evaluation): plain loops, no generators, no helper calls for the
+        # common single-leaf cone.
         entries = self.entries
+        if len(leaves) == 1 and not self.identity_only[0]:
+            t = leaves[0]
+            fp = None
+            for i, e in enumerate(entries):
+                if e.refs[0]() is t:
+                    if fp is None:
+                        fp = ((t._version, t.data_ptr(), t.shape, t.stride(), t.dtype),)
+                    if fp == e.fps:
+                        if i:
+                            self._to_front(e)
+                        return e
+            return None
         n = len(leaves)
         fps = None
         for i, e in enumerate(entries):
-            refs = e.refs
-            if n == 1:
-                if refs[0]() is not leaves[0]:
-                    continue
-            else:
-                same = True
-                for r, t in zip(refs, leaves):
-                    if r() is not t:
-                        same = False
-                        break
-                if not same:
-                    continue
+            same = True
+            for r, t in zip(e.refs, leaves):
+                if r() is not t:
+                    same = False
+                    break
+            if not same:
+                continue
             if fps is None:
                 fps = self.fingerprints(leaves)
             if fps == e.fps:
                 if i:
-                    with self.lock:
-                        self.entries = [e] + [x for x in self.entries if x is not e]
+                    self._to_front(e)
                 return e
         return None
+
+    def _to_front(self, e: _Entry) -> None:
+        with self.lock:
+            self.entries = [e] + [x for x in self.entries if x is not e]
 
     def store(self, leaves: tuple, key: Any, value: Any) -> _Entry:
         e = _Entry(tuple(weakref.ref(t) for t in leaves), self.fingerprints(leaves), key, value)
