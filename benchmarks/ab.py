@@ -705,8 +705,10 @@ def format_report(payload: dict[str, Any]) -> str:
         f"Machine: {m['cpu']} ({m['cpus']} CPUs, torch threads {m['torch_threads']}), "
         f"device {m['device']}{' ' + m['gpu'] if 'gpu' in m else ''}; torch {m['torch']}, Python {m['python']}.",
         f"nosync backend: {m['nosync_backend']}. Sync counter: {m['sync_counter']}.",
-        f"Load average (1 min) at start / end: {m.get('load_avg_1m_start')} / {m.get('load_avg_1m')} "
-        "(above the CPU count, other work shared the machine: read p10-p90 as the noise).",
+        f"Load average (1 min) at start / end: {m.get('load_avg_1m_start')} / {m.get('load_avg_1m')}"
+        + (" (above the CPU count: other work shared the machine; read p10-p90 as the noise)."
+           if max(m.get("load_avg_1m_start") or 0, m.get("load_avg_1m") or 0) > (m.get("cpus") or 1)
+           else "."),
         f"Per-step time = one request's loop time / steps taken, median and p10/p90 over the repeats "
         f"after a warm-up request ({'quick mode' if payload['config']['quick'] else 'full run'}). "
         "syncs/step: on a request already seen; syncs/req: one new request. "

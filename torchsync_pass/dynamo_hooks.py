@@ -319,19 +319,32 @@ class _GuardGroup:
         self.checks: list[Callable[[Any, Any], bool]] = []
         self.descriptions: list[str] = []
         self.emitted: set[int] = set()
+        self.runner: Optional[Callable[[Any, Any], bool]] = None
 
     def __call__(self, L: Any, G: Any) -> bool:
-        for i, check in enumerate(self.checks):
-            if not check(L, G):
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("nosync guard failed: %s", self.descriptions[i])
-                return False
-        return True
+        runner = self.runner
+        if runner is None:
+            runner = self.runner = self._fused()
+        if runner(L, G):
+            return True
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("nosync guard failed; hoisted here: %s", "; ".join(self.descriptions))
+        return False
+
+    def _fused(self) -> Callable[[Any, Any], bool]:
+        # Checks that know how to run together (guards.SiteCheck.fuse) share one leaf lookup and
+        # a fast path; anything else runs one after the other.
+        fuse = getattr(type(self.checks[0]), "fuse", None) if self.checks else None
+        if fuse is not None and all(type(c) is type(self.checks[0]) for c in self.checks):
+            return fuse(list(self.checks))
+        checks = list(self.checks)
+        return lambda L, G: all(c(L, G) for c in checks)
 
     def create_fn(self, check: Callable, description: str) -> Callable[[Any, Any], None]:
         def create(builder: Any, guard: Any) -> None:
             self.checks.append(check)
             self.descriptions.append(description)
+            self.runner = None
             if id(builder) in self.emitted:
                 return
             self.emitted.add(id(builder))
