@@ -521,10 +521,14 @@ class SiteCheck:
             plans.append((chk, tuple(idx)))
         getter = dynamo_hooks.leaf_getter(sources)
         states = [chk.state for chk in checks]
-        idents = tuple(identity)
         c = counters()
         n = len(checks)
-        last: list = [None, None]  # weak refs and fingerprints of the last passing call
+        last: list = [None, None, False]  # weak refs, fingerprint of the last passing call, booked
+
+        def fingerprint(leaves: tuple) -> tuple:
+            return tuple([_fingerprint(t, io) for t, io in zip(leaves, identity)])
+
+        same_call = _same_call_fn(len(sources), tuple(identity))
 
         def run(L: Any, G: Any) -> bool:
             try:
@@ -533,31 +537,56 @@ class SiteCheck:
                 log.debug("nosync guard: a leaf no longer resolves", exc_info=True)
                 return False
             refs = last[0]
-            if refs is not None:
-                same = True
-                for r, t in zip(refs, leaves):
-                    if r() is not t:
-                        same = False
+            if refs is not None and same_call(refs, last[1], leaves):
+                for st in states:
+                    if st.demoted is not None:
                         break
-                if same and tuple([_fingerprint(t, io) for t, io in zip(leaves, idents)]) == last[1]:
-                    for st in states:
-                        if st.demoted is not None:
-                            break
-                    else:
+                else:
+                    if not last[2]:  # first repeat of this call: book it as the checks would
+                        last[2] = True
                         for chk, _ in plans:
                             chk.fast_hit()
-                        c["guard_hits"] += n
-                        return True
+                    c["guard_hits"] += n
+                    return True
             for chk, idx in plans:
                 if not chk.check_leaves(tuple([leaves[i] for i in idx])):
                     last[0] = None
                     return False
             if not dynamo_hooks.compiling():
                 last[0] = tuple(weakref.ref(t) for t in leaves)
-                last[1] = tuple([_fingerprint(t, io) for t, io in zip(leaves, idents)])
+                last[1] = fingerprint(leaves)
+                last[2] = False
             return True
 
         return run
+
+
+_SAME_CALL: dict = {}
+
+
+def _same_call_fn(n: int, identity: tuple) -> Callable[[tuple, tuple, tuple], bool]:
+    """``same(refs, fps, leaves)``: the leaves are the referenced objects, fingerprints unchanged.
+
+    Generated straight-line code for ``n`` leaves (this runs on every call of a compiled step).
+    """
+    fn = _SAME_CALL.get(identity)
+    if fn is not None:
+        return fn
+    names = [f"t{i}" for i in range(n)]
+    lines = [f"def same(refs, fps, leaves):", f"    {', '.join(names)}{',' if n == 1 else ''} = leaves"]
+    lines.append("    if not (" + " and ".join(f"refs[{i}]() is t{i}" for i in range(n)) + "):")
+    lines.append("        return False")
+    fps = []
+    for i, io in enumerate(identity):
+        t = f"t{i}"
+        fps.append(f"({t}.data_ptr(), {t}.shape, {t}.dtype)" if io
+                   else f"({t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype)")
+    lines.append("    return fps == (" + ", ".join(fps) + ("," if n == 1 else "") + ")")
+    env: dict = {}
+    exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
+    fn = env["same"]
+    _SAME_CALL[identity] = fn
+    return fn
 
 
 def make_guard(state: SiteState, cone: ConeState, spec: Spec, sources: list[str]) -> SiteCheck:
