@@ -357,6 +357,7 @@ def _is_internal_file(filename: str) -> bool:
         filename.startswith(_TORCH_DIR)
         or filename.startswith(_OWN_DIR)
         or filename.startswith("<eval_with_key>")
+        or filename == dynamo_hooks.SELF_TEST_FILE
     )
 
 
@@ -385,7 +386,7 @@ def _site_of(frame: Any) -> tuple[SiteKey, str, tuple | None]:
         # a nosync guard re-running a hoisted cone: the sync belongs to the hoisted line
         return hoisted, "nosync guard", None
     uf = _user_frame(frame)
-    if uf is None or _is_import_machinery(uf.f_code.co_filename):
+    if uf is None or _is_import_machinery(uf.f_code.co_filename) or dynamo_hooks.in_self_test():
         # NOTE: reads done while a module is being imported (e.g. the nosync backend's
         # import-time self-test) are not the program's: they go with the compile-time reads.
         return _IMPORT_SITE, "", None

@@ -745,6 +745,14 @@ class _SelfTestBackend:
         return gm.forward
 
 
+SELF_TEST_FILE = "<torchsync_pass self-test>"
+
+
+def in_self_test() -> bool:
+    """True while the hook self-test runs (its syncs and graphs are not the user's)."""
+    return getattr(_state, "self_test", False)
+
+
 _SELF_TEST_SRC = """
 def f_item(x):
     return x * x.sum().item()
@@ -777,7 +785,7 @@ def _self_test_fns() -> dict[str, Callable]:
     # never meets cache entries of an earlier run and never needs torch._dynamo.reset(), which
     # would throw away everything the user's process has compiled so far.
     env: dict[str, Any] = {"operator": operator}
-    exec(compile(_SELF_TEST_SRC, "<torchsync_pass self-test>", "exec"), env)  # noqa: S102
+    exec(compile(_SELF_TEST_SRC, SELF_TEST_FILE, "exec"), env)  # noqa: S102
     f_item, f_tolist, f_bool, f_int, f_float, f_index, f_jump = (
         env[n] for n in ("f_item", "f_tolist", "f_bool", "f_int", "f_float", "f_index", "f_jump")
     )
@@ -838,6 +846,7 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
 
     saved_counters = {k: dict(v) for k, v in counters.items()}
     marker = _SelfTestBackend()
+    _state.self_test = True
     _policy = probe_policy
     _backend_matcher = lambda fn: fn is marker  # noqa: E731
     try:
@@ -860,6 +869,7 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
             if verbose:
                 print(f"  {'ok  ' if ok else 'DEAD'} {name}")
     finally:
+        _state.self_test = False
         _policy, _backend_matcher = saved
         counters.clear()
         for k, v in saved_counters.items():

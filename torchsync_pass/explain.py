@@ -601,8 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     counter = counting.count_syncs(profiler=not ns.no_profiler)
     with counter, verify_ctx:
         outcome = _run(code, ns.script, list(ns.args), stdout_to_stderr=ns.json)
-    # the nosync self-test compiles tiny probes of its own at import: not the user's functions
-    funcs = [f for f in watcher.stop() if not counting._is_internal_file(os.path.abspath(f.file))]
+    # the nosync self-test compiles tiny probes of its own on first use: not the user's functions
+    funcs = [
+        f for f in watcher.stop()
+        if not counting._is_internal_file(f.file) and not counting._is_internal_file(os.path.abspath(f.file))
+    ]
     _mark_sync_breaks(funcs, list(counter.sites))
     notes = [watcher.note] if watcher.note else []
     verification = None
