@@ -789,6 +789,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", type=_csv(VARIANTS, "variant"), default=list(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {', '.join(VARIANTS)} (default: all that apply)")
     p.add_argument("--quick", action="store_true", help="few steps and repeats: a smoke test, not a measurement")
+    p.add_argument("--verify", action="store_true",
+                   help="also run torchsync_pass.verify_loop on the diffusion examples (eager vs "
+                   "nosync-eager, nosync-inductor, stock Inductor on the hand-hoisted step, every "
+                   "step compared bitwise) and exit 1 when a mode diverges")
     p.add_argument("--steps", type=int, default=None, help="steps per request (default: per example)")
     p.add_argument("--repeats", type=int, default=None, help="timed requests per variant (default: per example)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: cuda when available)")
@@ -880,7 +884,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "guard_overhead": guard,
     }
     payload["acceptance"] = acceptance(results, guard)
+    if args.verify:
+        payload["verify_loop"] = verify_examples(args, device)
     return payload
+
+
+def verify_examples(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """``torchsync_pass.verify_loop`` on each diffusion example: one request, every step bitwise."""
+    from torchsync_pass import verify_loop
+
+    out: dict[str, Any] = {}
+    for name in [n for n in args.examples if EXAMPLES[n].module == "diffusion_loop"]:
+        ex = EXAMPLES[name]
+        mod = ex.mod()
+        steps = min(args.steps or ex.quick_steps, 4) if args.quick else (args.steps or 10)
+        log_progress(f"{name}: verify_loop over {steps} steps")
+        reset_dynamo()
+        with _device_ctx(device):
+            model = to_device(mod.make_model(ex.size), device)
+            hoisted = to_device(mod.make_hoisted_model(ex.size), device)
+        request = to_device(mod.make_request(ex.size), device)
+        hoisted.set_request(request)
+        timesteps = torch.tensor([1.0 - i / steps for i in range(steps)], device=device)
+
+        def setup(request=request):
+            return {"request": request, "x": request["x"]}
+
+        def calls(i, state, prev, steps=steps, timesteps=timesteps):
+            if i >= steps:
+                return None
+            if prev is not None:
+                state["x"] = state["x"] - (1.0 / steps) * prev
+            r = state["request"]
+            return (state["x"], timesteps[i], r["token_types"], r["guidance_scale"], r["grid_hw"]), {}
+
+        report = verify_loop(model, calls, setup=setup, hoisted=hoisted, steps=steps)
+        out[name] = report.to_json()
+        log_progress(f"{name}: verify_loop {'ok' if report.ok else 'DIVERGED'}")
+        print(report, file=sys.stderr)
+    return out
 
 
 def main(argv=None) -> int:
@@ -899,6 +941,10 @@ def main(argv=None) -> int:
         log_progress(f"wrote {args.json}")
     if args.plot and write_plot(payload, args.plot):
         log_progress(f"wrote {args.plot}")
+    verified = payload.get("verify_loop") or {}
+    if any(not r.get("ok") for r in verified.values()):
+        log_progress("verify_loop: a mode diverged (see the report above)")
+        return 1
     return 0
 
 

@@ -244,3 +244,16 @@ def test_smoke_run_on_cuda_with_cudagraphs_column(tmp_path):
     assert rows["eager"]["stream_syncs_per_step"] is not None
     assert rows["nosync-eager"]["bitwise_eager"] is True
     assert "cudagraphs" in rows
+
+
+@pytest.mark.inductor
+def test_verify_flag_runs_verify_loop_on_the_diffusion_example(tmp_path):
+    path = tmp_path / "ab.json"
+    rc = ab.main(["--quick", "--device", "cpu", "--examples", "diffusion-tiny", "--variants",
+                  "eager,nosync-eager", "--no-guard", "--verify", "--json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())["verify_loop"]["diffusion-tiny"]
+    assert report["ok"] is True
+    modes = {m["name"]: m for m in report["modes"]}
+    assert {"nosync-eager", "nosync-inductor", "inductor"} <= set(modes)
+    assert all(m["first_divergence"] is None for name, m in modes.items() if name.startswith("nosync"))
