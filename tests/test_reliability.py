@@ -595,8 +595,17 @@ def test_new_tensor_at_a_freed_address_is_not_mistaken_for_the_old(declared_infe
         del s
         gc.collect()
         assert ref() is None
-        s2 = _leaf(how, 5.0)
-        assert s2.data_ptr() == ptr, "the address was not reused: scenario not reached"
+        s2, held = _leaf(how, 5.0), []
+        for _ in range(16):  # the allocator usually maps the freed block again, not always first
+            if s2.data_ptr() == ptr:
+                break
+            held.append(s2)
+            s2 = _leaf(how, 5.0)
+        if s2.data_ptr() != ptr:
+            assert how == "allocator"  # the numpy variant reuses the address by construction
+            pytest.skip("the allocator did not reuse the freed address on this run; "
+                        "the numpy variant checks the same case deterministically")
+        del held
         assert s2.is_inference() == declared_inference
         if version is not None:
             assert s2._version == version
