@@ -893,15 +893,6 @@ def hook_points() -> list[str]:
     return list(_self_test_fns())
 
 
-if __name__ == "__main__":  # python -m torchsync_pass.dynamo_hooks
-    ok = install(lambda site: (False, None), lambda fn: False)
-    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
-    res = _self_test_result or {}
-    for k in hook_points():
-        print(f"  {'ok  ' if res.get(k) else 'DEAD'} {k}")
-    sys.exit(0 if ok else 1)
-
-
 # ---- Observability helpers (used by counting.py and explain.py) ----
 # NOTE: ``count_syncs()`` and the explain CLI watch a run without changing what Dynamo does. What
 # they need from torch internals, and the one monkeypatch they make (the torch.Tensor method
@@ -1046,3 +1037,12 @@ class CompilationWatch:
             )
             for m in new
         ]
+
+
+if __name__ == "__main__":  # python -m torchsync_pass.dynamo_hooks
+    ok = install(lambda site: (False, None), lambda fn: False)
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")
+    res = _self_test_result or {}
+    for k in hook_points():
+        print(f"  {'ok  ' if res.get(k) else 'DEAD'} {k}")
+    sys.exit(0 if ok else 1)
