@@ -400,3 +400,16 @@ def test_randomized_events_never_stale():
     # bounded: demotion caps the cache entries, never the recompile limit
     assert step.graphs <= 4 * 16
     assert counters["nosync"]["hoisted"] > 0
+
+
+def test_dynamo_reset_forgets_specialisations_and_demotions():
+    f = torch.compile(scaled, backend="nosync", options={"codegen": "eager"})
+    x = torch.arange(3.0)
+    for i in range(4):
+        f(x, torch.tensor(float(i)))  # step-varying: demoted
+    assert decisions_by_action(Action.DEMOTED)
+    torch._dynamo.reset()  # drops every cache entry: the site starts over
+    before = len(decisions_by_action(Action.HOISTED))
+    assert_bitwise(f(x, torch.tensor(7.0)), x * 7.0)
+    assert len(decisions_by_action(Action.HOISTED)) == before + 1
+    assert decisions_by_action(Action.DEMOTED)  # the log of what happened is kept

@@ -161,7 +161,9 @@ class NosyncBackend:
             dynamo_hooks.raise_through_dynamo(e)
 
     def reset(self) -> None:
+        """Called by ``torch._dynamo.reset()``: its cache entries are gone, so are our sites."""
         self.compiled.clear()
+        guards.reset(keep_decisions=True)
 
 
 _COMPILED: list[dict] = []
@@ -175,6 +177,15 @@ def nosync(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Cal
         return _compile(gm, example_inputs, opts, mode, kwargs, None)
     except NosyncError as e:
         dynamo_hooks.raise_through_dynamo(e)
+
+
+def _on_dynamo_reset() -> None:
+    # torch._dynamo.reset() calls reset() on the backends it cached: every cache entry, and with
+    # them every specialisation and demotion of our sites, is gone. The decision log stays.
+    guards.reset(keep_decisions=True)
+
+
+nosync.reset = _on_dynamo_reset  # type: ignore[attr-defined]
 
 
 def compiled_graphs() -> list[dict]:

@@ -249,14 +249,15 @@ _recorded: set = set()
 _lock = threading.RLock()
 
 
-def reset() -> None:
-    """Forget every site's state, memo and records (pairs with ``torch._dynamo.reset()``)."""
+def reset(keep_decisions: bool = False) -> None:
+    """Forget every site's state and memo, and (unless ``keep_decisions``) the decision records."""
     with _lock:
         _sites.clear()
         _recorded.clear()
         _budget_frames.clear()
         _recompiles_seen.clear()
-    DECISIONS.clear()
+    if not keep_decisions:
+        DECISIONS.clear()
 
 
 def sites() -> list[SiteState]:
