@@ -18,7 +18,7 @@
 #
 # Environment knobs:
 #   COMPAT_MATRIX        space-separated TORCH:PY list
-#                        (default "2.13.0:3.11 2.14.1:3.11 2.15.0:3.11 2.15.0:3.13")
+#                        (default "2.13.0:3.11 2.14.1:3.11 2.15.0:3.11 2.15.0:3.12 2.15.0:3.13")
 #   COMPAT_DIR           where venvs/logs live (default <repo>/.compat, git-ignored)
 #   COMPAT_PY<XY>        interpreter to use for Python X.Y, e.g. COMPAT_PY313=/usr/bin/python3.13
 #   COMPAT_SELFTEST      python code of the self-test step (default: run
@@ -41,7 +41,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 COMPAT_DIR=${COMPAT_DIR:-$ROOT/.compat}
 LOGS=$COMPAT_DIR/logs
-MATRIX=${COMPAT_MATRIX:-"2.13.0:3.11 2.14.1:3.11 2.15.0:3.11 2.15.0:3.13"}
+MATRIX=${COMPAT_MATRIX:-"2.13.0:3.11 2.14.1:3.11 2.15.0:3.11 2.15.0:3.12 2.15.0:3.13"}
 [ $# -gt 0 ] && MATRIX="$*"
 # self_test() returns {hook point: fired?} rather than raising, so judge its result: any
 # False entry (or a False/raised result) fails the step.  Prints "SELFTEST <ok>/<total>".
