@@ -413,3 +413,29 @@ def test_dynamo_reset_forgets_specialisations_and_demotions():
     assert_bitwise(f(x, torch.tensor(7.0)), x * 7.0)
     assert len(decisions_by_action(Action.HOISTED)) == before + 1
     assert decisions_by_action(Action.DEMOTED)  # the log of what happened is kept
+
+
+class GatedLayer(nn.Module):
+    def __init__(self, v):
+        super().__init__()
+        self.register_buffer("gate", torch.tensor(v))
+
+    def forward(self, x):
+        return x * self.gate.item()  # one source line, a different buffer in every layer
+
+
+def test_same_line_in_many_layers_counts_values_per_tensor():
+    """A 12-layer loop asks each layer's buffer at one source line: 12 questions with one answer
+    each, not one question with 12 answers (which max_specializations would demote)."""
+    layers = nn.Sequential(*[GatedLayer(float(i + 1)) for i in range(12)])
+    step = Compiled(layers)
+    x = torch.ones(2)
+    for _ in range(3):
+        out, syncs = local_scalar_dense(step, x)
+        assert_bitwise(out, layers(x))
+    assert syncs == 0
+    assert step.graphs == 1 and graph_breaks() == 0
+    assert not decisions_by_action(Action.DEMOTED)
+    layers[5].gate = torch.tensor(-1.0)  # one layer's answer changes: one recompile
+    assert_bitwise(step(x), layers(x))
+    assert step.graphs == 2

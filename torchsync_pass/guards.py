@@ -206,6 +206,12 @@ class ConeState:
     memo: ConeMemo
     kind: str
     site: SiteKey
+    # Values are counted per cone: one source line can read several tensors (a layer loop asking
+    # each layer's buffer), and each of them is its own question with its own answers.
+    specs: dict = field(default_factory=dict)  # value key -> Spec
+    last_spec: Optional[Spec] = None
+    miss_streak: int = 0  # consecutive calls whose leaves were new (guard re-ran the cone)
+    last_miss: Optional[_Entry] = None
 
     def evaluate(self, leaves: tuple) -> _Entry:
         """Run the cone on these leaves: one real sync. Stores the value in the memo."""
@@ -234,14 +240,18 @@ class SiteState:
     source: str
     code_name: str
     cones: dict = field(default_factory=dict)  # fingerprint -> ConeState
-    specs: dict = field(default_factory=dict)  # value key -> Spec
-    last_spec: Optional[Spec] = None
     demoted: Optional[Reason] = None
     demoted_detail: str = ""
     guard_syncs: int = 0
     guard_hits: int = 0
-    miss_streak: int = 0  # consecutive calls whose leaves were new (guard re-ran the cone)
-    last_miss: Optional[_Entry] = None
+
+    @property
+    def specs(self) -> dict:
+        """Every specialised value of the site, over all its cones (for reports and tests)."""
+        out: dict = {}
+        for cone in self.cones.values():
+            out.update(cone.specs)
+        return out
 
 
 _sites: dict[tuple, SiteState] = {}
@@ -364,9 +374,9 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         _record(state, Action.REJECTED, Reason.UNSUPPORTED_VALUE, detail, compile_id=compile_id)
         return False, _why(Reason.UNSUPPORTED_VALUE, detail)
 
-    spec = state.specs.get(entry.key)
+    spec = cone.specs.get(entry.key)
     if spec is None:
-        demote = _demotion(state, result, leaves, opts)
+        demote = _demotion(cone, result, leaves, opts)
         if demote is not None:
             reason, detail = demote
             state.demoted, state.demoted_detail = reason, detail
@@ -378,8 +388,8 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
             leaf_refs=tuple(weakref.ref(t) for t in leaves),
             leaf_versions=tuple(None if t.is_inference() else t._version for t in leaves),
         )
-        state.specs[entry.key] = spec
-    state.last_spec = spec
+        cone.specs[entry.key] = spec
+    cone.last_spec = spec
 
     srcs = [l.source for l in result.leaves]
     check = make_guard(state, cone, spec, srcs)
@@ -426,12 +436,12 @@ def _why(reason: Reason, detail: str) -> str:
     return reason.value + (f" ({detail})" if detail else "")
 
 
-def _demotion(state: SiteState, result: ConeResult, leaves: tuple, opts: Any) -> Optional[tuple[Reason, str]]:
-    if len(state.specs) >= opts.max_specializations:
+def _demotion(cone: ConeState, result: ConeResult, leaves: tuple, opts: Any) -> Optional[tuple[Reason, str]]:
+    if len(cone.specs) >= opts.max_specializations:
         return Reason.TOO_MANY_VALUES, (
-            f"{len(state.specs) + 1} distinct values > max_specializations={opts.max_specializations}"
+            f"{len(cone.specs) + 1} distinct values > max_specializations={opts.max_specializations}"
         )
-    last = state.last_spec
+    last = cone.last_spec
     all_declared = all(l.declared for l in result.leaves)
     if last is not None and not all_declared and last.hits == 0 and last.leaves_changed(list(leaves)):
         return Reason.LEAVES_CHANGE, "the value changed on the call right after it was specialised"
@@ -473,18 +483,19 @@ class SiteCheck:
                 if compiling():  # Dynamo checking a fresh entry on the trace's own inputs
                     e = self.cone.evaluate(leaves)
                 else:
-                    if _runtime_miss(state, self.may_demote):
+                    if _runtime_miss(state, self.cone, self.may_demote):
                         return False
                     e = self.cone.evaluate(leaves)
-                    state.last_miss = e
+                    self.cone.last_miss = e
                     state.guard_syncs += 1
                     c["guard_syncs"] += 1
             else:
                 state.guard_hits += 1
                 c["guard_hits"] += 1
-                if e is not state.last_miss:
-                    state.miss_streak = 0
-                elif e.hits <= len(state.specs) and not compiling():
+                cone = self.cone
+                if e is not cone.last_miss:
+                    cone.miss_streak = 0
+                elif e.hits <= len(cone.specs) and not compiling():
                     e.hits += 1
         except Exception:
             log.debug("nosync guard for %s failed; treating as a miss", state.site, exc_info=True)
@@ -498,7 +509,7 @@ class SiteCheck:
     def fast_hit(self) -> None:
         """Book a call whose leaves are exactly those of the last call that passed."""
         self.state.guard_hits += 1
-        self.state.miss_streak = 0
+        self.cone.miss_streak = 0
         self.spec.hits += 1
 
     @staticmethod
@@ -594,22 +605,22 @@ def make_guard(state: SiteState, cone: ConeState, spec: Spec, sources: list[str]
     return SiteCheck(state, cone, spec, sources)
 
 
-def _runtime_miss(state: SiteState, may_demote: bool) -> bool:
+def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
     """Book a call whose leaves are new; True when the site is demoted instead of re-synced.
 
     NOTE: within one call the entry stored by the miss is hit again by the guards of the other
-    cache entries of the site (at most ``len(specs) - 1`` times); more hits than that mean a later
+    cache entries of the cone (at most ``len(specs) - 1`` times); more hits than that mean a later
     call reused it, so the leaves did not change on every call.
     """
-    last = state.last_miss
-    if last is not None and last.hits < len(state.specs):
-        state.miss_streak += 1
+    last = cone.last_miss
+    if last is not None and last.hits < len(cone.specs):
+        cone.miss_streak += 1
     else:
-        state.miss_streak = 1
-    if may_demote and state.miss_streak >= MISS_STREAK_DEMOTE:
+        cone.miss_streak = 1
+    if may_demote and cone.miss_streak >= MISS_STREAK_DEMOTE:
         state.demoted = Reason.LEAVES_CHANGE
         state.demoted_detail = (
-            f"its leaves were new on {state.miss_streak} calls in a row, so the guard re-ran the cone "
+            f"its leaves were new on {cone.miss_streak} calls in a row, so the guard re-ran the cone "
             "(one sync) every call"
         )
         _record(state, Action.DEMOTED, Reason.LEAVES_CHANGE, state.demoted_detail)
