@@ -35,6 +35,7 @@ Cone module::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 import re
@@ -94,6 +95,7 @@ class ConeResult:
     speculative: bool = False  # some leaf is an undeclared input (auto mode)
 
     signature: tuple = ()  # the cone's ops, independent of node names
+    nodes: frozenset = frozenset()  # the cone's nodes in the traced graph
 
     @property
     def fingerprint(self) -> tuple:
@@ -136,25 +138,74 @@ def is_random(node: fx.Node) -> bool:
     return bool(_RANDOM_RE.search(_target_name(node)))
 
 
-def inplace_target(node: fx.Node) -> Optional[fx.Node]:
-    """The node an in-place op writes to, or None when the node writes nothing."""
-    if node.op not in ("call_function", "call_method"):
-        return None
-    first = node.args[0] if node.args else None
-    out = node.kwargs.get("out")
-    if isinstance(out, fx.Node):
-        return out
-    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
-        return first if isinstance(first, fx.Node) else None
-    name = _target_name(node)
-    if node.op == "call_method" and name in ("__setitem__", "copy_", "set_", "resize_"):
-        return first if isinstance(first, fx.Node) else None
-    if name.endswith("_") and not name.endswith("__") and not name.startswith("_"):
-        return first if isinstance(first, fx.Node) else None
+def _nodes_in(value: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(value, lambda n: out.append(n) or n)
+    return out
+
+
+def _schema_writes(schema: Any, node: fx.Node) -> list[fx.Node]:
+    written: list[fx.Node] = []
+    for pos, arg in enumerate(schema.arguments):
+        info = getattr(arg, "alias_info", None)
+        if info is None or not info.is_write:
+            continue
+        if pos < len(node.args):
+            written += _nodes_in(node.args[pos])
+        elif arg.name in node.kwargs:
+            written += _nodes_in(node.kwargs[arg.name])
+    return written
+
+
+def _inplace_flag(node: fx.Node) -> bool:
+    """``F.relu(x, inplace=True)``, also with ``inplace`` passed by position."""
+    if node.kwargs.get("inplace") is True:
+        return True
     t = node.target
-    if isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
-        return first if isinstance(first, fx.Node) else None
-    return None
+    if node.op != "call_function" or not callable(t) or "inplace" in node.kwargs:
+        return False
+    try:
+        bound = inspect.signature(t).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def written_nodes(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose memory ``node`` writes (empty when it writes nothing).
+
+    NOTE: an op that writes is not always spelled with a trailing underscore: ``out=`` (a tensor or
+    a tuple of them), ``F.relu(x, inplace=True)``, ``torch._foreach_add_([a, b], 1)`` (a list),
+    operators whose schema marks an argument as written (custom ops with ``mutates_args``).
+    """
+    if node.op not in ("call_function", "call_method"):
+        return []
+    first = node.args[0] if node.args else None
+    written: list[fx.Node] = []
+    if "out" in node.kwargs:
+        written += _nodes_in(node.kwargs["out"])
+    name = _target_name(node)
+    t = node.target
+    if node.op == "call_function" and t in _INPLACE_OPERATORS:
+        written += _nodes_in(first)
+    elif node.op == "call_method" and name in ("__setitem__", "copy_", "set_", "resize_"):
+        written += _nodes_in(first)
+    elif name.endswith("_") and not name.endswith("__"):
+        written += _nodes_in(first)  # add_, fill_, _foreach_add_ (a list of tensors)
+    if _inplace_flag(node):
+        written += _nodes_in(first)
+    if isinstance(t, torch._ops.OpOverload):
+        written += _schema_writes(t._schema, node)
+    elif isinstance(t, torch._ops.OpOverloadPacket):
+        for overload in t.overloads():
+            written += _schema_writes(getattr(t, overload)._schema, node)
+    return written
+
+
+def inplace_target(node: fx.Node) -> Optional[fx.Node]:
+    """The first node ``node`` writes to, or None when it writes nothing."""
+    written = written_nodes(node)
+    return written[0] if written else None
 
 
 def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
@@ -258,8 +309,19 @@ def analyze_cone(
     module = extract_cone(graph, node, leaf_nodes, cone_nodes)
     return ConeResult(
         True, Reason.INVARIANT_CONE, "", infos, examples, module=module, speculative=speculative,
-        signature=signature(module.graph),
+        signature=signature(module.graph), nodes=frozenset(cone_nodes),
     )
+
+
+HOISTED_META = "nosync_hoisted_cone"
+
+
+def mark_hoisted(result: ConeResult) -> None:
+    """Tag the cone's nodes in the traced graph (node meta only) so the backend may drop them
+    once nothing reads them; no other node is ever removed."""
+    for n in result.nodes:
+        if n.op != "placeholder":
+            n.meta[HOISTED_META] = True
 
 
 def signature(graph: fx.Graph) -> tuple:
@@ -296,14 +358,23 @@ def _mutated_cone(graph: fx.Graph, leaf_nodes: list[fx.Node], cone_nodes: set[fx
     if not storages:
         return None
     for n in graph.nodes:
-        target = inplace_target(n)
-        if target is None:
-            continue
-        key = _storage_key(_example(target))
-        if key in storages:
-            read = storages[key]
-            what = "input" if read.op == "placeholder" else "value"
-            return f"{_target_name(n)} writes to {what} {read.name} (or a view of it) at {_where(n)}"
+        for target in written_nodes(n):
+            key = _storage_key(_example(target))
+            if key in storages:
+                read = storages[key]
+                what = "input" if read.op == "placeholder" else "value"
+                return f"{_target_name(n)} writes to {what} {read.name} (or a view of it) at {_where(n)}"
+    # Belt and braces: a write the op table above does not know about still bumps the version
+    # counter of the fake tensor Dynamo traced with.
+    for n in leaf_nodes + [n for n in graph.nodes if n in cone_nodes]:
+        ex = _example(n)
+        if isinstance(ex, torch.Tensor):
+            try:
+                version = ex._version
+            except Exception:  # inference tensors have none
+                continue
+            if version > 0:
+                return f"{n.name} was written in place before the sync (version {version})"
     return None
 
 
@@ -331,9 +402,10 @@ def remove_dead_cones(gm: fx.GraphModule) -> bool:
     When a sync is hoisted, Dynamo has already put its cone into the graph (``eq = tt == 0;
     any_1 = eq.any()``) and the constant replaced only the *use* of ``any_1``. Inductor removes such
     dead nodes itself, but ``codegen="eager"`` runs the FX graph as is and would recompute every
-    cone at every step. Only nodes without users that are plain ops (no in-place, random, internal or
-    higher-order op: the same test the cone analysis uses) are removed, so the outputs, and every
-    write the graph makes, stay exactly as they were.
+    cone at every step. Only nodes of hoisted cones (tagged by :func:`mark_hoisted`) that nothing
+    reads any more are removed. They are pure by construction (the cone analysis rejected every
+    in-place, random, internal or higher-order op) and were evaluated on these very inputs when
+    they were hoisted, so the outputs and every write the graph makes stay exactly as they were.
 
     Before::
 
@@ -350,7 +422,7 @@ def remove_dead_cones(gm: fx.GraphModule) -> bool:
     for node in reversed(list(graph.nodes)):
         if node.op not in ("call_function", "call_method") or node.users:
             continue
-        if _impure_reason(node) is not None or node.is_impure():
+        if not node.meta.get(HOISTED_META) or _impure_reason(node) is not None or node.is_impure():
             continue
         graph.erase_node(node)
         modified = True

@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import dynamo_hooks
-from .cone import ConeResult, analyze_cone
+from .cone import ConeResult, analyze_cone, mark_hoisted
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
 
 log = logging.getLogger("torchsync_pass")
@@ -392,6 +392,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     cone.last_spec = spec
 
     srcs = [l.source for l in result.leaves]
+    mark_hoisted(result)
     check = make_guard(state, cone, spec, srcs)
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r}")
     _record(state, Action.HOISTED, Reason.INVARIANT_CONE,
