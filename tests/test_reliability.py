@@ -717,3 +717,112 @@ def test_grad_modes_mixed_on_one_compiled_function():
     assert not decisions_of(Action.DEMOTED) and not decisions_of(Action.REJECTED)
     # one entry per (grad mode, flag value): Dynamo guards on grad mode anyway
     assert step.graphs <= 6
+
+
+# --------------------------------------------------------------------------------------------
+# Writes spelled without a trailing underscore, ambient state, optimizers (found in review)
+# --------------------------------------------------------------------------------------------
+import torch.nn.functional as F  # noqa: E402
+
+
+@torch.library.custom_op("torchsync_test::fill_into", mutates_args=("out",))
+def fill_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+@fill_into.register_fake
+def _fill_into_fake(x, out):
+    return None
+
+
+def relu_inplace_unused(x, b):
+    F.relu(b, inplace=True)  # result unused: only the write matters
+    return x + 1
+
+
+def test_inplace_kwarg_write_is_kept_in_the_graph():
+    step = Compiled(relu_inplace_unused)
+    b, b_ref = -torch.ones(3), -torch.ones(3)
+    assert_bitwise(step(torch.ones(2), b), relu_inplace_unused(torch.ones(2), b_ref))
+    assert_bitwise(b, b_ref)  # the write happened (it was once removed as a dead node)
+
+
+def w_relu(x, b):
+    F.relu(b, inplace=True)
+    return x - 1 if b.sum() < 0 else x + 1
+
+
+def w_foreach(x, b):
+    torch._foreach_add_([b], 1.0)
+    return x + 1 if b.sum() > 1 else x - 1
+
+
+def w_custom(x, b):
+    fill_into(x, b)
+    return x + 1 if b.sum() > 0 else x - 1
+
+
+@pytest.mark.parametrize("fn", [w_relu, w_foreach, w_custom], ids=["inplace=True", "_foreach_add_", "mutates_args"])
+def test_writes_before_the_sync_are_seen(fn):
+    step = Compiled(fn)
+    for _ in range(3):
+        b, b_ref = -torch.ones(2), -torch.ones(2)
+        assert_bitwise(step(torch.ones(2), b), fn(torch.ones(2), b_ref))
+        assert_bitwise(b, b_ref)
+    assert decisions_of(Action.REJECTED)[0].reason is Reason.MUTATION
+    assert not decisions_of(Action.HOISTED)
+
+
+def matmul_sum(x, a, w):
+    return x * (a @ w).sum().item()
+
+
+def test_ambient_autocast_never_leaks_into_a_hoisted_value():
+    step = Compiled(matmul_sum)
+    w, a = torch.randn(32, 32), torch.randn(32, 32)
+    for on in (True, False, True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+            assert_bitwise(step(torch.ones(2), a, w), matmul_sum(torch.ones(2), a, w))
+    assert [d.reason for d in decisions_of(Action.REJECTED)] == [Reason.AUTOCAST]
+
+
+def int_div(x, a):
+    return x * (a / 3).sum().item()
+
+
+def test_default_dtype_is_part_of_the_hoisted_question():
+    step = Compiled(int_div)
+    a = torch.arange(5)
+    try:
+        for dtype in (torch.float64, torch.float32, torch.float64, torch.float32):
+            torch.set_default_dtype(dtype)
+            assert_bitwise(step(torch.ones(2), a), int_div(torch.ones(2), a))
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+class Trainable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.3, 0.3]))
+
+    def forward(self, x):
+        return (x * self.w).sum() if self.w.sum() > 0 else (x * self.w).sum() * 100
+
+
+def test_fused_optimizer_updates_are_never_stale():
+    """Fused Adam writes parameters without bumping _version: leaves that require grad are not
+    hoisted unless declared."""
+    m, ref = Trainable(), Trainable()
+    ref.load_state_dict(m.state_dict())
+    step = Compiled(m)
+    opts = [torch.optim.Adam(p.parameters(), lr=0.2, fused=True) for p in (m, ref)]
+    x = torch.ones(2)
+    for _ in range(4):
+        got, want = step(x), ref(x)
+        assert_bitwise(got, want)
+        for loss, opt in ((got, opts[0]), (want, opts[1])):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert [d.reason for d in decisions_of(Action.REJECTED)][:1] == [Reason.TRAINABLE_LEAF]

@@ -97,10 +97,12 @@ class ConeResult:
     signature: tuple = ()  # the cone's ops, independent of node names
     nodes: frozenset = frozenset()  # the cone's nodes in the traced graph
 
+    default_dtype: Any = None  # torch.get_default_dtype() when traced: int/int division etc.
+
     @property
     def fingerprint(self) -> tuple:
-        """What identifies the computation: leaf sources plus the cone's ops."""
-        return (tuple(l.source for l in self.leaves), self.signature)
+        """What identifies the computation: leaf sources, the cone's ops, the default dtype."""
+        return (tuple(l.source for l in self.leaves), self.signature, self.default_dtype)
 
 
 def dotted_name(source: str) -> str:
@@ -261,6 +263,9 @@ def analyze_cone(
     declared = list(declared)
     if not in_root_tracer:
         return ConeResult(False, Reason.NOT_ROOT_TRACER)
+    autocast = _autocast_devices()
+    if autocast:
+        return ConeResult(False, Reason.AUTOCAST, f"autocast is on for {', '.join(autocast)}")
     graph = node.graph
     flow = dataflow(graph)
     cone_nodes = nx.ancestors(flow, node) | {node}
@@ -291,6 +296,8 @@ def analyze_cone(
         inference = leaf.example.is_inference()
         if inference and not decl:
             return ConeResult(False, Reason.INFERENCE_TENSOR, f"{name} is an inference tensor")
+        if leaf.example.requires_grad and not decl:
+            return ConeResult(False, Reason.TRAINABLE_LEAF, f"{name} requires grad")
         if leaf.role not in ("parameter", "buffer") and not decl:
             speculative = True
         infos.append(LeafInfo(leaf.source, name, leaf.role, decl, inference))
@@ -310,6 +317,7 @@ def analyze_cone(
     return ConeResult(
         True, Reason.INVARIANT_CONE, "", infos, examples, module=module, speculative=speculative,
         signature=signature(module.graph), nodes=frozenset(cone_nodes),
+        default_dtype=torch.get_default_dtype(),
     )
 
 
@@ -334,6 +342,18 @@ def signature(graph: fx.Graph) -> tuple:
         target = n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", repr(n.target))
         out.append((n.op, target, repr(args)))
     return tuple(out)
+
+
+def _autocast_devices() -> list[str]:
+    """Device types with autocast on right now (Dynamo enters autocast for real while tracing)."""
+    on = []
+    for device_type in ("cpu", "cuda", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                on.append(device_type)
+        except (RuntimeError, TypeError, ValueError):
+            continue
+    return on
 
 
 def _where(n: fx.Node) -> str:

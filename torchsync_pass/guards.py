@@ -217,9 +217,20 @@ class ConeState:
         """Run the cone on these leaves: one real sync. Stores the value in the memo."""
         module = self.result.module
         assert module is not None
-        with torch.no_grad(), guard_site(self.site):
-            out = module(*leaves)
-            value = _CONVERT[self.kind](out)
+        # NOTE: the guard runs after Dynamo's global-state guards passed, so grad mode, default
+        # dtype and autocast (off: cones traced under autocast are rejected) match the trace; the
+        # default dtype is pinned anyway since every cache entry of the cone shares this memo.
+        dtype = self.result.default_dtype
+        saved = torch.get_default_dtype()
+        if dtype is not None and dtype is not saved:
+            torch.set_default_dtype(dtype)
+        try:
+            with torch.no_grad(), guard_site(self.site):
+                out = module(*leaves)
+                value = _CONVERT[self.kind](out)
+        finally:
+            if dtype is not None and dtype is not saved:
+                torch.set_default_dtype(saved)
         key = value_key(value)
         return self.memo.store(leaves, key, value)
 

@@ -50,6 +50,11 @@ class Reason(enum.Enum):
     SYMBOLIC = "the cone depends on symbolic sizes (dynamic shapes)"
     NO_SOURCE = "a leaf has no guardable source (created inside the step)"
     INFERENCE_TENSOR = "an inference tensor has no _version; declare it in options['invariant'] to hoist"
+    TRAINABLE_LEAF = (
+        "a leaf requires grad: optimizers can update it without bumping _version (fused Adam/SGD); "
+        "declare it in options['invariant'] to hoist"
+    )
+    AUTOCAST = "traced under autocast: the value depends on the autocast state"
     UNSUPPORTED_VALUE = "the value has a dtype or shape the pass does not hoist"
     EVAL_FAILED = "evaluating the cone at trace time failed"
     NOT_ROOT_TRACER = "the sync sits in a nested tracer (e.g. a torch.cond branch)"
