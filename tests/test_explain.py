@@ -238,6 +238,22 @@ def test_verify_failed_exits_1(tmp_path, capsys, monkeypatch):
     assert re.search(r"FAILED\s+graph \d+/0 \(eager codegen\)\n\s+nosync verify: graph", out), out
 
 
+def test_verify_inductor_difference_is_reported_not_failed(tmp_path, capsys, monkeypatch):
+    """Inductor is not bitwise equal to the eager FX graph on CPU: DIFFERS, with the numbers, and
+    the run does not fail (the bitwise promise for Inductor is against stock Inductor)."""
+    from torchsync_pass import backend
+
+    monkeypatch.setattr(backend, "_codegen", perturbing_codegen)  # stands in for Inductor's rounding
+    with pytest.warns(VerificationWarning):
+        rc = explain.main(["--json", "--verify", nosync_script(tmp_path, options='{"codegen": "inductor"}')])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    (v,) = rep["verification"]
+    assert (v["status"], v["codegen"]) == ("DIFFERS", "inductor")
+    assert v["message"].startswith("inductor codegen: not bitwise equal to the eager FX graph")
+    assert "max abs" in v["message"] or "ULP" in v["message"]
+
+
 def test_verify_script_error_wins(tmp_path, capsys, monkeypatch):
     from torchsync_pass import backend
 

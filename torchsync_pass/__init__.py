@@ -72,4 +72,16 @@ def _ensure_registered() -> None:
         register_backend(nosync, name="nosync")
 
 
+def _register_log_name() -> None:
+    """``torch._logging.set_logs(modules={"nosync": logging.INFO})`` works right after import."""
+    try:
+        from torch._logging._internal import log_registry, register_log
+
+        if "nosync" not in log_registry.log_alias_to_log_qnames:
+            register_log("nosync", ["torchsync_pass"])
+    except Exception:  # logging integration is best effort
+        pass
+
+
 _ensure_registered()
+_register_log_name()

@@ -277,9 +277,10 @@ def _check_cudagraphs(gm: torch.fx.GraphModule, example_inputs: list, compile_id
 
 
 def reset() -> None:
-    """Forget every nosync decision, site state and compiled record; call with torch._dynamo.reset()."""
+    """Forget every nosync decision, site state, compiled record and ``counters["nosync"]``."""
     guards.reset()
     _COMPILED.clear()
+    guards.counters().clear()
 
 
 def _register_logging() -> None:

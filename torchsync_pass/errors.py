@@ -12,6 +12,3 @@ class NosyncOptionsError(NosyncError, ValueError):
 class VerificationError(NosyncError):
     """Compiled output differs from eager (raised when ``verify`` and ``strict`` are on)."""
 
-
-class UnhoistableSyncError(NosyncError):
-    """``fullgraph=True`` (or ``strict``) and a sync could not be hoisted."""

@@ -397,11 +397,20 @@ def _verification_entry(entry: dict) -> dict[str, Any]:
     if v is None:  # compiled outside --verify's reach (should not happen under forced_options)
         return {**base, "name": "", "status": "NOT_VERIFIED", "message": "", "reason": "",
                 "mismatches": []}
+    status = v.status.name  # PASSED / FAILED / SKIPPED
+    message = v.message
+    if status == "FAILED" and entry.get("codegen") == "inductor":
+        # NOTE: Inductor is not bitwise equal to the FX graph run eagerly on CPU (fused
+        # reductions, vectorised math): a difference is reported, not a failure. The bitwise
+        # promise for Inductor is against stock Inductor (torchsync_pass.verify_loop).
+        status = "DIFFERS"
+        message = ("inductor codegen: not bitwise equal to the eager FX graph (expected on CPU; "
+                   "verify_loop checks nosync against stock Inductor). " + (message or ""))
     return {
         **base,
         "name": v.name,
-        "status": v.status.name,  # PASSED / FAILED / SKIPPED
-        "message": v.message,
+        "status": status,  # PASSED / FAILED / SKIPPED / DIFFERS (Inductor rounding)
+        "message": message,
         "reason": v.reason,
         "mismatches": [m.path for m in v],
     }

@@ -277,6 +277,7 @@ def reset(keep_decisions: bool = False) -> None:
         _recorded.clear()
         _budget_frames.clear()
         _recompiles_seen.clear()
+        _warned_names.clear()
     if not keep_decisions:
         DECISIONS.clear()
 
@@ -357,6 +358,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         _record(state, Action.REJECTED, Reason.DISABLED, state.demoted.value, compile_id=compile_id)
         return False, f"demoted earlier: {state.demoted.value}"
 
+    _check_declared_names(site, opts)
     result = analyze_cone(site.node, site.leaves, declared=opts.invariant,
                           in_root_tracer=site.in_root_tracer)
     if not result.ok:
@@ -410,6 +412,31 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
             "speculated invariant" if result.speculative else "", value,
             tuple(l.name for l in result.leaves), compile_id=compile_id)
     return True, value
+
+
+_warned_names: set = set()
+
+
+def _check_declared_names(site: dynamo_hooks.SyncSite, opts: Any) -> None:
+    """Warn once when ``options['invariant']`` names something the compiled function has no
+    argument for (a typo would otherwise just leave the site speculated or rejected)."""
+    code = site.frame_code
+    if not opts.invariant or code is None or code.co_name.startswith("torch_dynamo_resume_in_"):
+        return
+    nargs = code.co_argcount + code.co_kwonlyargcount
+    args = code.co_varnames[:nargs]
+    for name in opts.invariant:
+        head = name.split(".", 1)[0]
+        if head in args or (("self" in args) and "." not in name):
+            continue  # "mask" may mean self.mask
+        key = (code, name)
+        if key in _warned_names:
+            continue
+        _warned_names.add(key)
+        log.warning(
+            "nosync: options['invariant'] names %r, but %s has no argument %r (arguments: %s)",
+            name, code.co_name, head, ", ".join(args) or "none",
+        )
 
 
 _budget_frames: set = set()
@@ -502,8 +529,9 @@ class SiteCheck:
                     state.guard_syncs += 1
                     c["guard_syncs"] += 1
             else:
-                state.guard_hits += 1
-                c["guard_hits"] += 1
+                if not compiling():  # Dynamo's own checks of a fresh entry are not call-time hits
+                    state.guard_hits += 1
+                    c["guard_hits"] += 1
                 cone = self.cone
                 if e is not cone.last_miss:
                     cone.miss_streak = 0
