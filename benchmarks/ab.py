@@ -921,7 +921,7 @@ def verify_examples(args: argparse.Namespace, device: torch.device) -> dict[str,
         report = verify_loop(model, calls, setup=setup, hoisted=hoisted, steps=steps)
         out[name] = report.to_json()
         log_progress(f"{name}: verify_loop {'ok' if report.ok else 'DIVERGED'}")
-        print(report, file=sys.stderr)
+        print(f"verify_loop on {name}:\n{report}", file=sys.stderr)
     return out
 
 
