@@ -4,7 +4,7 @@ A hoisted sync becomes a Python constant in the traced frame plus a guard over t
 
     guard(L, G):
         leaves = (L['token_types'], L['self']._buffers['mask'])
-        key = memo.lookup(leaves)           # weak identity + _version + data_ptr/shape/stride
+        key = memo.lookup(leaves)           # weak identity + _version, data_ptr, shape, stride, dtype
         if key is None:                     # new object or written in place: one real sync
             key = run_cone(leaves); memo.store(leaves, key)
         return key == specialised_key       # floats compared bitwise
@@ -14,11 +14,17 @@ The memo is a small LRU per cone, shared by every cache entry of the site, so in
 Dynamo recompiles, the policy sees the value again (from the memo, no second sync) and specialises
 a new cache entry. Returning to an old value costs nothing.
 
-Demotion keeps speculation from turning into a recompile storm: a site is handed back to stock
-Dynamo for good when it takes more than ``max_specializations`` values, or when its value changed
-on the very next call after it was specialised while its old leaves are gone or were written in
-place (a step-varying value such as a timestep or a step counter). Demotion costs exactly one
-recompile; the demoted site's old guards then fail at once, without a sync.
+All checks of one cache entry run as one function (:meth:`SiteCheck.fuse`): each leaf is read
+once, and a call whose leaves are the very objects of the last passing call, unchanged, is answered
+without touching the memos.
+
+Demotion keeps speculation from turning into a recompile storm. A site is handed back to stock
+Dynamo for good when one of its cones takes more than ``max_specializations`` values; when its
+value changed on the very next call after it was specialised while the old leaf is gone, was
+written in place, or is the next element of the same table (a timestep, a step counter); when the
+guard had to re-run a cone on 3 calls in a row (leaves new every call); or when its frame has used
+half of Dynamo's ``recompile_limit``. Demotion costs one recompile; the demoted site's old guards
+then fail at once, without a sync.
 """
 
 from __future__ import annotations
