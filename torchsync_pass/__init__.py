@@ -73,7 +73,12 @@ def _ensure_registered() -> None:
 
 
 def _register_log_name() -> None:
-    """``torch._logging.set_logs(modules={"nosync": logging.INFO})`` works right after import."""
+    """``torch._logging.set_logs(modules={"nosync": logging.INFO})`` works right after import.
+
+    NOTE: torch parses the TORCH_LOGS environment variable when torch itself is imported, before any
+    third-party package can register a name, so from the environment use the module form,
+    ``TORCH_LOGS=torchsync_pass`` (``+torchsync_pass`` for debug).
+    """
     try:
         from torch._logging._internal import log_registry, register_log
 

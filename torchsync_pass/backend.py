@@ -283,22 +283,4 @@ def reset() -> None:
     guards.counters().clear()
 
 
-def _register_logging() -> None:
-    """Register ``nosync`` as a torch log name: ``torch._logging.set_logs(modules={"nosync": logging.INFO})``.
-
-    NOTE: torch parses the TORCH_LOGS environment variable once, when torch itself is imported and
-    before any third-party package can register a name, so from the environment use the module
-    form, ``TORCH_LOGS=torchsync_pass`` (``+torchsync_pass`` for debug), which torch accepts for any
-    importable module.
-    """
-    try:
-        from torch._logging._internal import log_registry, register_log
-
-        if "nosync" not in log_registry.log_alias_to_log_qnames:
-            register_log("nosync", ["torchsync_pass"])
-    except Exception:  # logging integration is best effort
-        log.debug("nosync: could not register the 'nosync' log name", exc_info=True)
-
-
-_register_logging()
 _ensure_hooks()

@@ -92,10 +92,17 @@ def _hoistable(v: Any, depth: int = 0) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Memo
 # ----------------------------------------------------------------------------------------------
+# What identifies a leaf's contents without reading them. Written once, as expressions over ``t``:
+# _fingerprint, the memo lookup and the generated fast path (_same_call_fn) all use these.
+_FP_VERSIONED = "({t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype)"
+# declared inference tensors have no _version; the user promised no in-place writes
+_FP_IDENTITY = "({t}.data_ptr(), {t}.shape, {t}.dtype)"
+_fp_versioned = eval("lambda t: " + _FP_VERSIONED.format(t="t"))  # noqa: S307 - constant source
+_fp_identity = eval("lambda t: " + _FP_IDENTITY.format(t="t"))  # noqa: S307 - constant source
+
+
 def _fingerprint(t: torch.Tensor, identity_only: bool) -> tuple:
-    if identity_only:  # declared inference tensors: no _version; the user promised no writes
-        return (t.data_ptr(), t.shape, t.dtype)
-    return (t._version, t.data_ptr(), t.shape, t.stride(), t.dtype)
+    return _fp_identity(t) if identity_only else _fp_versioned(t)
 
 
 @dataclass(eq=False)  # NOTE: never compare entries by value: weakref == compares the tensors
@@ -129,7 +136,7 @@ class ConeMemo:
             for i, e in enumerate(entries):
                 if e.refs[0]() is t:
                     if fp is None:
-                        fp = ((t._version, t.data_ptr(), t.shape, t.stride(), t.dtype),)
+                        fp = (_fp_versioned(t),)
                     if fp == e.fps:
                         if i:
                             self._to_front(e)
@@ -412,7 +419,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
 
     srcs = [l.source for l in result.leaves]
     mark_hoisted(result)
-    check = make_guard(state, cone, spec, srcs)
+    check = SiteCheck(state, cone, spec, srcs)
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r}")
     _record(state, Action.HOISTED, Reason.INVARIANT_CONE,
             "speculated invariant" if result.speculative else "", value,
@@ -634,21 +641,13 @@ def _same_call_fn(n: int, identity: tuple) -> Callable[[tuple, tuple, tuple], bo
     lines = [f"def same(refs, fps, leaves):", f"    {', '.join(names)}{',' if n == 1 else ''} = leaves"]
     lines.append("    if not (" + " and ".join(f"refs[{i}]() is t{i}" for i in range(n)) + "):")
     lines.append("        return False")
-    fps = []
-    for i, io in enumerate(identity):
-        t = f"t{i}"
-        fps.append(f"({t}.data_ptr(), {t}.shape, {t}.dtype)" if io
-                   else f"({t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype)")
+    fps = [(_FP_IDENTITY if io else _FP_VERSIONED).format(t=f"t{i}") for i, io in enumerate(identity)]
     lines.append("    return fps == (" + ", ".join(fps) + ("," if n == 1 else "") + ")")
     env: dict = {}
     exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
     fn = env["same"]
     _SAME_CALL[identity] = fn
     return fn
-
-
-def make_guard(state: SiteState, cone: ConeState, spec: Spec, sources: list[str]) -> SiteCheck:
-    return SiteCheck(state, cone, spec, sources)
 
 
 def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
