@@ -21,10 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import torchsync_pass
 from torchsync_pass.errors import VerificationError
+from torchsync_pass.loop import LoopMode, LoopReport, resolve_modes, verify_loop
 from torchsync_pass.verify import (
     Diff,
-    LoopMode,
-    LoopReport,
     Mismatch,
     VerificationSkippedWarning,
     VerificationWarning,
@@ -33,9 +32,7 @@ from torchsync_pass.verify import (
     format_mismatches,
     max_ulp_distance,
     reference_graph,
-    resolve_modes,
     verify_compiled,
-    verify_loop,
 )
 
 # --------------------------------------------------------------------------------------------

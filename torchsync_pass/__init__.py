@@ -23,8 +23,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "count_syncs": "counting",
     "SyncCounts": "counting",
-    "verify_loop": "verify",
-    "LoopReport": "verify",
+    "verify_loop": "loop",
+    "LoopReport": "loop",
     "VerificationError": "errors",
     "NosyncError": "errors",
     "NosyncOptionsError": "errors",
@@ -64,12 +64,9 @@ def _ensure_registered() -> None:
     """
     if _entry_point_installed():
         return
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+    from ._torch_private import register_backend
 
-    if "nosync" not in _COMPILER_FNS:
-        from .backend import nosync
-
-        register_backend(nosync, name="nosync")
+    register_backend("nosync", lambda: importlib.import_module(".backend", __name__).nosync)
 
 
 def _register_log_name() -> None:
@@ -80,10 +77,9 @@ def _register_log_name() -> None:
     ``TORCH_LOGS=torchsync_pass`` (``+torchsync_pass`` for debug).
     """
     try:
-        from torch._logging._internal import log_registry, register_log
+        from ._torch_private import register_log_alias
 
-        if "nosync" not in log_registry.log_alias_to_log_qnames:
-            register_log("nosync", ["torchsync_pass"])
+        register_log_alias("nosync", ["torchsync_pass"])
     except Exception:  # logging integration is best effort
         pass
 

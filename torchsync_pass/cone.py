@@ -356,10 +356,26 @@ def _autocast_devices() -> list[str]:
     return on
 
 
+def user_frames(stack_trace: str) -> list[tuple[str, int, str, str]]:
+    """``(file, line, function, source)`` of each frame in a node's ``stack_trace``, outermost first."""
+    lines = stack_trace.splitlines()
+    frames = []
+    for i, line in enumerate(lines):
+        m = _FRAME_RE.match(line)
+        if m:
+            src = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            if src.startswith("File ") or set(src) <= set("^~ "):
+                src = ""
+            frames.append((m["file"], int(m["line"]), m["fn"].strip(), src))
+    return frames
+
+
+_FRAME_RE = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>.+)$')
+
+
 def _where(n: fx.Node) -> str:
-    st = n.meta.get("stack_trace") or ""
-    lines = [l.strip() for l in st.strip().splitlines() if l.strip().startswith("File ")]
-    return lines[-1] if lines else n.name
+    frames = user_frames(n.meta.get("stack_trace") or "")
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else n.name
 
 
 def _mutated_cone(graph: fx.Graph, leaf_nodes: list[fx.Node], cone_nodes: set[fx.Node]) -> Optional[str]:

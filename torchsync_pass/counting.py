@@ -280,9 +280,6 @@ class SyncCounts:
                 st.calls = sum(n for _, n in cands)
 
     # reading -------------------------------------------------------------------------------
-    def source(self, site: SiteKey) -> str:
-        return site.source()
-
     def sorted_sites(self) -> list[SiteStats]:
         return sorted(
             self.sites.values(), key=lambda s: (-(s.count + s.host_local), s.site.file, s.site.line)

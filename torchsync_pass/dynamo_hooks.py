@@ -469,12 +469,6 @@ def _compile_context_try_get() -> Any:
     return CompileContext.try_get()
 
 
-def is_fake(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import is_fake as _is_fake
-
-    return _is_fake(t)
-
-
 # --------------------------------------------------------------------------------------------
 # The hooks
 # --------------------------------------------------------------------------------------------

@@ -10,11 +10,10 @@ This module is pure Python (no torch import) so the CLI can render reports cheap
 from __future__ import annotations
 
 import enum
-import json
 import linecache
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 
 @dataclass(frozen=True, order=True)
@@ -42,7 +41,6 @@ class Reason(enum.Enum):
     INVARIANT_CONE = "every leaf is request-invariant and the cone is pure"
     # REJECTED
     NO_TENSOR_LEAF = "the value does not come from a tensor the pass can trace back"
-    NON_INVARIANT_LEAF = "depends on a tensor that is not request-invariant"
     CONSTANT_LEAF = "depends on a tensor created inside the step (no input leaf to guard on)"
     IMPURE_OP = "the cone contains a random or side-effecting op"
     MUTATION = "a leaf (or a view of it) is written in place before the sync"
@@ -115,13 +113,6 @@ class DecisionLog:
         with self._lock:
             self._items.clear()
 
-    def latest_by_site(self) -> dict[SiteKey, Decision]:
-        """The last decision for each site (what holds now)."""
-        out: dict[SiteKey, Decision] = {}
-        for d in self.all():
-            out[d.site] = d
-        return out
-
 
 DECISIONS = DecisionLog()
 
@@ -154,12 +145,3 @@ class guard_site:
 
 def current_guard_site() -> "SiteKey | None":
     return getattr(_guard_tls, "site", None)
-
-
-def render_decisions(items: Iterable[Decision]) -> str:
-    lines = [d.describe() for d in items]
-    return "\n".join(lines) if lines else "(no nosync decisions)"
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=False, default=str)

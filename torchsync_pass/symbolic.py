@@ -22,7 +22,7 @@ import torch
 
 def free_symbols_of(*values: Any) -> set[sympy.Symbol]:
     """Free sympy symbols in the sizes/strides/values of (fake) tensors and SymInts."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols
+    from ._torch_private import free_symbols
 
     out: set[sympy.Symbol] = set()
     for v in values:
@@ -30,7 +30,7 @@ def free_symbols_of(*values: Any) -> set[sympy.Symbol]:
             continue
         if isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
             try:
-                out |= set(free_symbols(v))
+                out |= free_symbols(v)
             except Exception:  # tensors without a shape env
                 pass
         elif isinstance(v, (list, tuple)):

@@ -7,17 +7,17 @@ count as equal whatever their payload). ``torch.allclose`` is never used. Where 
 expected (Inductor against eager on CPU) it is *reported* as the largest absolute difference and the
 largest distance in units in the last place (ULP), never hidden behind a tolerance.
 
-Three layers, each usable alone:
+Two layers here, each usable alone, and a third in :mod:`torchsync_pass.loop`:
 
-* :func:`compare_outputs` walks two arbitrary nested outputs (tensors, tuples, lists, dicts,
-  dataclasses, Python scalars) and returns one :class:`Mismatch` record per differing leaf, named by
-  its path (``out[1]['h']``).
+* :func:`compare_outputs` walks two arbitrary nested outputs (tensors, pytree containers such as
+  tuples, lists, dicts and named tuples, dataclasses, Python scalars) and returns one
+  :class:`Mismatch` record per differing leaf, named by its path (``out[1]['h']``).
 * :func:`verify_compiled` is what the nosync backend calls with ``options["verify"]``: it runs the
   Dynamo graph as FX (eager) and the compiled artifact on clones of the real example inputs and
   compares every output and every input the graph mutates. A mismatch is one warning per graph that
   names the output, the differences and the user lines that produced it (``strict``: an error).
-* :func:`verify_loop` runs a whole per-step loop from identical deep-copied starting states eagerly
-  and under each compiled mode and reports the first step and tensor at which a mode diverges.
+* :func:`torchsync_pass.loop.verify_loop` runs a whole per-step loop eagerly and under each compiled
+  mode and reports the first step and tensor at which a mode diverges.
 
 Example inputs: on torch 2.13 Dynamo hands a backend the *real* tensors it traced with
 (``OutputGraph.example_inputs()`` returns ``GraphArg.example`` for each placeholder), but SymInts for
@@ -32,30 +32,26 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import inspect
-import json
 import logging
 import math
 import random
 import re
-import struct
 import sys
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from . import _torch_private as private
+from .cone import user_frames, written_nodes
 from .errors import VerificationError
+from .guards import value_key
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "Diff",
-    "LoopMode",
-    "LoopReport",
     "Mismatch",
-    "ModeReport",
-    "StepMismatch",
     "VerificationSkippedWarning",
     "VerificationWarning",
     "VerifyResult",
@@ -64,9 +60,7 @@ __all__ = [
     "format_mismatches",
     "max_ulp_distance",
     "reference_graph",
-    "resolve_modes",
     "verify_compiled",
-    "verify_loop",
 ]
 
 
@@ -423,36 +417,17 @@ def _value_mismatch(e: torch.Tensor, a: torch.Tensor) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _py_float_ulp(x: float, y: float) -> int | None:
-    if math.isnan(x) or math.isnan(y):
-        return None
-
-    def ordinal(v: float) -> int:
-        b = _float_bits(v)
-        mag = b & ((1 << 63) - 1)
-        return -mag if b < 0 else mag
-
-    return abs(ordinal(x) - ordinal(y))
-
-
-def _is_namedtuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(type(x), "_fields")
-
-
 def compare_outputs(expected: Any, actual: Any, *, root: str = "out") -> list[Mismatch]:
     """Compare two (nested) outputs bitwise; return one :class:`Mismatch` per differing leaf.
 
     Tensors are equal when device, layout, dtype, shape and significant strides (those of
     dimensions larger than 1) agree and every element has the same bit pattern, except that
     positions where both are NaN count as equal. Python floats compare the same way; other scalars
-    and objects with ``==`` and an exact type match. Containers (tuple, list, ``torch.Size``, named
-    tuples, dicts, dataclass instances) are walked; a different container type or length, or
-    different dict keys, is a ``Diff.STRUCTURE``/``Diff.TYPE`` mismatch and the common part is
-    still compared. ``requires_grad`` and tensor subclass types are not compared.
+    and objects with ``==`` and an exact type match. Containers (the pytree ones: tuple, list,
+    ``torch.Size``, named tuples, dicts, registered classes; and dataclass instances) are walked: a
+    different container type is a ``Diff.TYPE`` mismatch, a different length or key set a
+    ``Diff.STRUCTURE`` one, and the common part is still compared. ``requires_grad`` and tensor
+    subclass types are not compared.
 
     Paths read like Python: ``out[1]['h']``, ``out.logits``.
     """
@@ -461,61 +436,55 @@ def compare_outputs(expected: Any, actual: Any, *, root: str = "out") -> list[Mi
     return out
 
 
+def _children(x: Any) -> dict[Any, tuple[str, Any]] | None:
+    """``{key: (path piece, child)}`` of a container, ``None`` for a leaf (tensors are leaves)."""
+    if isinstance(x, torch.Tensor):
+        return None
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: (f".{f.name}", getattr(x, f.name)) for f in dataclasses.fields(x)}
+    return private.children(x)
+
+
 def _walk(path: str, e: Any, a: Any, out: list[Mismatch]) -> None:
-    if isinstance(e, torch.Tensor) or isinstance(a, torch.Tensor):
-        if not (isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor)):
-            out.append(Mismatch(path, (Diff.TYPE,), f"type {type(e).__name__} vs {type(a).__name__}"))
-            return
+    if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):  # subclasses are not compared
         _compare_tensors(path, e, a, out)
         return
-    if dataclasses.is_dataclass(e) and not isinstance(e, type):
-        if type(e) is not type(a):
-            out.append(Mismatch(path, (Diff.TYPE,), f"type {type(e).__name__} vs {type(a).__name__}"))
-            return
-        for f in dataclasses.fields(e):
-            _walk(f"{path}.{f.name}", getattr(e, f.name), getattr(a, f.name), out)
-        return
-    if isinstance(e, Mapping) and isinstance(a, Mapping):
-        if type(e) is not type(a):
-            out.append(Mismatch(path, (Diff.TYPE,), f"type {type(e).__name__} vs {type(a).__name__}"))
-        missing = [k for k in e if k not in a]
-        extra = [k for k in a if k not in e]
-        if missing or extra:
-            out.append(
-                Mismatch(path, (Diff.STRUCTURE,), f"keys missing {missing!r}, unexpected {extra!r}")
-            )
-        for k in e:
-            if k in a:
-                _walk(f"{path}[{k!r}]", e[k], a[k], out)
-        return
-    if isinstance(e, (list, tuple)) and isinstance(a, (list, tuple)):
-        if type(e) is not type(a):
-            out.append(Mismatch(path, (Diff.TYPE,), f"type {type(e).__name__} vs {type(a).__name__}"))
-        if len(e) != len(a):
-            out.append(Mismatch(path, (Diff.STRUCTURE,), f"length {len(e)} vs {len(a)}"))
-        named = _is_namedtuple(e) and type(e) is type(a)
-        for i, (x, y) in enumerate(zip(e, a)):
-            sub = f"{path}.{type(e)._fields[i]}" if named else f"{path}[{i}]"
-            _walk(sub, x, y, out)
-        return
+    ce, ca = _children(e), _children(a)
     if type(e) is not type(a):
         out.append(Mismatch(path, (Diff.TYPE,), f"type {type(e).__name__} vs {type(a).__name__}"))
-        return
-    if isinstance(e, float):
-        if (math.isnan(e) and math.isnan(a)) or _float_bits(e) == _float_bits(a):
+        if ce is None or ca is None:
             return
-        if math.isnan(e) or math.isnan(a):
-            out.append(Mismatch(path, (Diff.VALUE,), "NaN on one side only", max_abs=math.nan,
-                                num_different=1, numel=1, expected_value=e, actual_value=a))
-            return
-        out.append(Mismatch(path, (Diff.VALUE,), "float values differ", max_abs=abs(e - a),
-                            max_ulp=_py_float_ulp(e, a), num_different=1, numel=1,
-                            expected_value=e, actual_value=a))
-        return
-    if isinstance(e, complex):
+    if ce is not None and ca is not None:
+        if ce.keys() != ca.keys():
+            sequences = isinstance(e, (list, tuple)) and isinstance(a, (list, tuple))
+            missing, extra = [k for k in ce if k not in ca], [k for k in ca if k not in ce]
+            what = f"length {len(ce)} vs {len(ca)}" if sequences else f"keys missing {missing!r}, unexpected {extra!r}"
+            out.append(Mismatch(path, (Diff.STRUCTURE,), what))
+        for k, (piece, x) in ce.items():
+            if k in ca:
+                _walk(path + piece, x, ca[k][1], out)
+    elif isinstance(e, float):
+        _compare_floats(path, e, a, out)
+    elif isinstance(e, complex):
         for part in ("real", "imag"):
             _walk(f"{path}.{part}", getattr(e, part), getattr(a, part), out)
+    else:
+        _compare_objects(path, e, a, out)
+
+
+def _compare_floats(path: str, e: float, a: float, out: list[Mismatch]) -> None:
+    if value_key(e) == value_key(a) or (math.isnan(e) and math.isnan(a)):
         return
+    if math.isnan(e) or math.isnan(a):
+        out.append(Mismatch(path, (Diff.VALUE,), "NaN on one side only", max_abs=math.nan,
+                            num_different=1, numel=1, expected_value=e, actual_value=a))
+        return
+    ulp = max_ulp_distance(torch.tensor([e], dtype=torch.float64), torch.tensor([a], dtype=torch.float64))
+    out.append(Mismatch(path, (Diff.VALUE,), "float values differ", max_abs=abs(e - a), max_ulp=ulp,
+                        num_different=1, numel=1, expected_value=e, actual_value=a))
+
+
+def _compare_objects(path: str, e: Any, a: Any, out: list[Mismatch]) -> None:
     try:
         same = bool(e == a)
     except Exception as exc:  # an object whose == does not give a bool
@@ -563,30 +532,14 @@ def _clone_exact(t: torch.Tensor, storages: dict[Any, Any]) -> torch.Tensor:
     return c
 
 
-def _snapshot(obj: Any) -> Any:
-    """Deep snapshot of an output for later comparison: tensors cloned exactly, detached."""
+def snapshot(tree: Any) -> Any:
+    """``tree`` with every tensor in its pytree containers replaced by an exact clone.
+
+    Tensors that alias each other still alias in the copy (see :func:`_clone_exact`). NOTE: objects
+    pytree does not know (an unregistered dataclass, say) are kept by reference, not copied.
+    """
     storages: dict[Any, Any] = {}
-
-    def go(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return _clone_exact(x.detach(), storages)
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return dataclasses.replace(x, **{f.name: go(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init})
-        if isinstance(x, Mapping):
-            try:
-                return type(x)((k, go(v)) for k, v in x.items())
-            except Exception:
-                return {k: go(v) for k, v in x.items()}
-        if _is_namedtuple(x):
-            return type(x)(*(go(v) for v in x))
-        if isinstance(x, (list, tuple)):
-            try:
-                return type(x)(go(v) for v in x)
-            except Exception:
-                return [go(v) for v in x]
-        return x
-
-    return go(obj)
+    return private.map_tensors(lambda t: _clone_exact(t, storages), tree)
 
 
 # --------------------------------------------------------------------------------------------
@@ -648,38 +601,21 @@ def reference_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """
     graph = copy.deepcopy(gm.graph)
     ref = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    # Placeholder attributes Dynamo set outside meta (the source of each input).
-    for old, new in zip(gm.graph.find_nodes(op="placeholder"), ref.graph.find_nodes(op="placeholder")):
-        if hasattr(old, "_dynamo_source"):
-            new._dynamo_source = old._dynamo_source
+    private.copy_input_sources(gm.graph, ref.graph)
     return ref
-
-
-def _is_fake(x: Any) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return isinstance(x, torch.Tensor) and is_fake(x)
 
 
 def _concrete(x: Any) -> tuple[Any, str]:
     """A real value for one example input, or ``(None, why_not)``."""
     if isinstance(x, torch.Tensor):
-        if _is_fake(x):
+        if private.is_fake(x):
             return None, "is a FakeTensor"
         if x.device.type == "meta":
             return None, "is a meta tensor"
         return x, ""
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        node = x.node
-        hint = node.hint if node.has_hint() else None
-        if hint is None or isinstance(hint, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            try:
-                from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
-
-                hint = guarding_hint_or_throw(x)  # reads the hint; adds no guard
-            except Exception:
-                return None, f"is a symbolic value ({x}) without a real hint"
-        return hint, ""
+        hint = private.symint_hint(x)
+        return (None, f"is a symbolic value ({x}) without a real hint") if hint is None else (hint, "")
     return x, ""
 
 
@@ -699,37 +635,15 @@ def _real_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tup
     if len(placeholders) != len(example_inputs):
         return None, "", f"{why}, and the graph's placeholders do not match the example inputs"
     values = []
-    for i, node in enumerate(placeholders):
-        grapharg = node.meta.get("grapharg")
-        if grapharg is None:
-            return None, "", f"{why}, and placeholder {node.name!r} carries no real value (no grapharg)"
-        try:
-            example = grapharg.example
-        except Exception as exc:  # the weak reference to the real tensor expired
-            return None, "", f"{why}, and the real value of placeholder {node.name!r} is gone ({exc})"
-        if example is None:
-            example = grapharg.example_strong_ref
+    for node in placeholders:
+        example, problem = private.traced_example(node)
+        if problem:
+            return None, "", f"{why}, and {problem}"
         v, problem = _concrete(example)
         if problem:
             return None, "", f"{why}, and the traced value of placeholder {node.name!r} {problem}"
         values.append(v)
     return values, "grapharg", ""
-
-
-def _clone_inputs(values: Sequence[Any]) -> list[Any]:
-    storages: dict[Any, Any] = {}
-    return [_clone_exact(v, storages) if isinstance(v, torch.Tensor) else v for v in values]
-
-
-def _no_fake_mode():
-    try:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        return unset_fake_temporarily()
-    except ImportError:  # pragma: no cover - older torch
-        import contextlib
-
-        return contextlib.nullcontext()
 
 
 class _RngState:
@@ -752,7 +666,7 @@ class _RngState:
 
 
 def _as_list(out: Any) -> list[Any]:
-    if isinstance(out, (list, tuple)) and not _is_namedtuple(out):
+    if type(out) in (list, tuple):
         return list(out)
     return [out]
 
@@ -778,7 +692,7 @@ class _ModuleState:
         self.params = [(n, p, p._version) for n, p in gm.named_parameters()]
 
     def written(self) -> dict[str, torch.Tensor]:
-        return {name: _snapshot(t) for (name, t), (v0, _) in zip(self.items, self.saved) if t._version != v0}
+        return {name: snapshot(t) for (name, t), (v0, _) in zip(self.items, self.saved) if t._version != v0}
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -790,21 +704,6 @@ class _ModuleState:
 
     def written_params(self) -> list[str]:
         return [n for n, p, v in self.params if p._version != v]
-
-
-def _user_frames(stack_trace: str) -> list[tuple[str, int, str, str]]:
-    """Parse ``File "f", line n, in fn`` / source pairs out of a node's ``stack_trace``."""
-    frames = []
-    lines = stack_trace.splitlines()
-    pattern = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>.+)$')
-    for i, line in enumerate(lines):
-        m = pattern.match(line)
-        if m:
-            src = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            if src.startswith("File ") or set(src) <= set("^~ "):
-                src = ""
-            frames.append((m["file"], int(m["line"]), m["fn"].strip(), src))
-    return frames
 
 
 def _node_source(node: Any) -> str:
@@ -820,7 +719,7 @@ def _node_source(node: Any) -> str:
         seen.add(cur)
         trace = cur.meta.get("stack_trace")
         if trace:
-            frames = _user_frames(trace)
+            frames = user_frames(trace)
             if not frames:
                 return trace.strip()
             file, line, fn, src = frames[-1]
@@ -836,17 +735,6 @@ def _node_source(node: Any) -> str:
             continue
         queue.extend(cur.all_input_nodes)
     return f"no user stack trace on {node.name!r} or its inputs"
-
-
-def _writes_in_place(node: torch.fx.Node) -> bool:
-    if node.op == "call_method":
-        return str(node.target).endswith("_")
-    if node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None:
-            return bool(schema.is_mutable)
-        return getattr(node.target, "__name__", "").endswith("_")
-    return False
 
 
 def _output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
@@ -875,7 +763,7 @@ def _attach_sources(gm: torch.fx.GraphModule, mismatches: list[Mismatch]) -> lis
         hit = re.match(r"input\[(\d+)\]", m.path)
         if hit and int(hit[1]) < len(placeholders):
             node = placeholders[int(hit[1])]
-            writers = [u for u in node.users if _writes_in_place(u)] or [u for u in node.users if u.op != "output"]
+            writers = [u for u in node.users if node in written_nodes(u)] or [u for u in node.users if u.op != "output"]
             source = f"graph input {node.name!r}, written in place"
             if writers:
                 source += " by\n" + "\n".join(_node_source(u) for u in writers[:3])
@@ -915,10 +803,10 @@ def verify_compiled(
     if values is None:
         return _skip(name, why, strict)
 
-    with _no_fake_mode():
+    with private.no_fake_mode():
         rng = _RngState()
         state = _ModuleState(gm)
-        ref_inputs = _clone_inputs(values)
+        ref_inputs = snapshot(list(values))
         ref_versions = [v._version if isinstance(v, torch.Tensor) else None for v in ref_inputs]
         try:
             expected = gm(*ref_inputs)
@@ -931,7 +819,7 @@ def verify_compiled(
         state.restore()
         rng.restore()
 
-        act_inputs = _clone_inputs(values)
+        act_inputs = snapshot(list(values))
         act_versions = [v._version if isinstance(v, torch.Tensor) else None for v in act_inputs]
         mismatches: list[Mismatch] = []
         try:
@@ -1005,486 +893,3 @@ def _skip(name: str, why: str, strict: bool) -> VerifyResult:
     log.warning("%s", message)
     warnings.warn(message, VerificationSkippedWarning, stacklevel=3)
     return VerifyResult(name=name, status=VerifyStatus.SKIPPED, reason=why, message=message)
-
-
-# --------------------------------------------------------------------------------------------
-# verify_loop: a whole per-step loop, eager against each compiled mode
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopMode:
-    """One way of running the step in :func:`verify_loop`.
-
-    ``backend`` and ``options`` go to ``torch.compile`` (with ``compile_kwargs`` such as
-    ``dynamic``/``fullgraph``). ``must_equal`` names the run whose outputs this mode must reproduce
-    bitwise (``"eager"``, another mode's name, or ``None`` for "report the difference only").
-    ``step`` compiles another callable instead of the loop's step (a hand-hoisted reference); it is
-    deep-copied together with the step, so a bound method of the same module binds to the copy.
-    """
-
-    name: str
-    backend: Any
-    options: Mapping[str, Any] | None = None
-    must_equal: str | None = "eager"
-    step: Callable[..., Any] | None = None
-    compile_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    def describe_backend(self) -> str:
-        b = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", repr(self.backend))
-        return f"{b} {dict(self.options)}" if self.options else str(b)
-
-
-_PRESETS = {
-    "nosync-eager": lambda: LoopMode("nosync-eager", "nosync", {"codegen": "eager"}, must_equal="eager"),
-    "nosync-inductor": lambda: LoopMode("nosync-inductor", "nosync", {"codegen": "inductor"}, must_equal="inductor"),
-    "inductor": lambda: LoopMode("inductor", "inductor", None, must_equal=None),
-    "aot_eager": lambda: LoopMode("aot_eager", "aot_eager", None, must_equal="eager"),
-    "dynamo-eager": lambda: LoopMode("dynamo-eager", "eager", None, must_equal="eager"),
-}
-
-
-def resolve_modes(
-    modes: Iterable[str | LoopMode],
-    options: Mapping[str, Any] | None = None,
-    hoisted: Callable[..., Any] | None = None,
-) -> list[LoopMode]:
-    """The :class:`LoopMode` list :func:`verify_loop` runs for ``modes`` (presets expanded, references added)."""
-    out: list[LoopMode] = []
-    for m in modes:
-        if isinstance(m, LoopMode):
-            out.append(m)
-        elif isinstance(m, str) and m in _PRESETS:
-            out.append(_PRESETS[m]())
-        elif m == "eager":
-            raise ValueError("'eager' is the reference that every mode is compared with; do not list it in modes")
-        else:
-            raise ValueError(f"unknown mode {m!r}: use one of {sorted(_PRESETS)} or a LoopMode")
-    if options:
-        out = [
-            dataclasses.replace(m, options={**(m.options or {}), **options}) if m.backend == "nosync" else m
-            for m in out
-        ]
-    if hoisted is not None:
-        out.append(LoopMode("inductor-hoisted", "inductor", None, must_equal=None, step=hoisted))
-        out = [
-            dataclasses.replace(m, must_equal="inductor-hoisted") if m.name == "nosync-inductor" else m for m in out
-        ]
-    names = [m.name for m in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"mode names must be unique, got {names}")
-    for m in list(out):
-        if m.must_equal not in (None, "eager") and m.must_equal not in names:
-            if m.must_equal in _PRESETS:
-                out.append(_PRESETS[m.must_equal]())
-                names.append(m.must_equal)
-            else:
-                raise ValueError(f"mode {m.name!r} must equal {m.must_equal!r}, which is not a mode")
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class StepMismatch:
-    """A difference found at one step (``phase == "step"``) or in the state after the loop (``"final"``)."""
-
-    step: int
-    reference: str
-    mismatch: Mismatch
-    phase: str = "step"
-
-    def describe(self) -> str:
-        where = f"step {self.step}" if self.phase == "step" else "final state"
-        return f"{where}, vs {self.reference}: {self.mismatch.summary()}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "phase": self.phase, "reference": self.reference, "mismatch": self.mismatch.to_json()}
-
-
-@dataclasses.dataclass(frozen=True)
-class ModeReport:
-    """What one mode did over the loop, compared with eager and with its bitwise reference."""
-
-    name: str
-    backend: str
-    must_equal: str | None
-    steps_run: int
-    expected_steps: int
-    graphs: int
-    mismatches: tuple[StepMismatch, ...] = ()
-    diverging_steps: int = 0
-    eager_max_abs: float | None = None
-    eager_max_ulp: int | None = None
-    eager_first_step: int | None = None
-    error: str | None = None
-
-    @property
-    def first_divergence(self) -> StepMismatch | None:
-        return self.mismatches[0] if self.mismatches else None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not self.mismatches and self.steps_run == self.expected_steps
-
-    def describe(self) -> str:
-        status = "ok" if self.ok else "FAILED"
-        graphs = f"{self.graphs} graph{'' if self.graphs == 1 else 's'} compiled"
-        head = f"{self.name:<18} {status:<7} {self.steps_run} steps, {graphs} [{self.backend}]"
-        lines = [head]
-        if self.error:
-            lines.append(f"    error: {self.error}")
-        if self.steps_run != self.expected_steps and not self.error:
-            lines.append(f"    ran {self.steps_run} steps, eager ran {self.expected_steps}")
-        if self.must_equal:
-            if self.mismatches:
-                first = self.mismatches[0]
-                lines.append(f"    first divergence from {self.must_equal}: {first.describe()}")
-                lines.append(f"    {self.diverging_steps} of {self.steps_run} steps differ from {self.must_equal}")
-            elif self.steps_run:
-                lines.append(f"    bitwise equal to {self.must_equal} on every step")
-        if self.must_equal != "eager" and self.steps_run:
-            if self.eager_first_step is None:
-                lines.append("    vs eager: bitwise equal on every step")
-            else:
-                ulp = "n/a" if self.eager_max_ulp is None else str(self.eager_max_ulp)
-                lines.append(
-                    f"    vs eager: max abs diff {_fmt_float(self.eager_max_abs or 0.0)}, max ULP {ulp} "
-                    f"(first difference at step {self.eager_first_step}; reported, not required equal)"
-                )
-        return "\n".join(lines)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "backend": self.backend,
-            "must_equal": self.must_equal,
-            "ok": self.ok,
-            "steps_run": self.steps_run,
-            "expected_steps": self.expected_steps,
-            "graphs": self.graphs,
-            "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
-            "diverging_steps": self.diverging_steps,
-            "mismatches": [m.to_json() for m in self.mismatches],
-            "vs_eager": {
-                "max_abs": _json_float(self.eager_max_abs),
-                "max_ulp": self.eager_max_ulp,
-                "first_step": self.eager_first_step,
-            },
-            "error": self.error,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopReport:
-    """Result of :func:`verify_loop`: the eager step count and one :class:`ModeReport` per mode."""
-
-    steps: int
-    modes: tuple[ModeReport, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(m.ok for m in self.modes)
-
-    def __getitem__(self, name: str) -> ModeReport:
-        for m in self.modes:
-            if m.name == name:
-                return m
-        raise KeyError(name)
-
-    def __str__(self) -> str:
-        status = "ok" if self.ok else "FAILED"
-        lines = [f"verify_loop: {self.steps} eager steps, {len(self.modes)} modes: {status}"]
-        lines.extend(_indent(m.describe(), "  ") for m in self.modes)
-        return "\n".join(lines)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "steps": self.steps,
-            "modes": [m.to_json() for m in self.modes],
-        }
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=2)
-
-
-def _module_of(step: Any) -> torch.nn.Module | None:
-    if isinstance(step, torch.nn.Module):
-        return step
-    owner = getattr(step, "__self__", None)
-    return owner if isinstance(owner, torch.nn.Module) else None
-
-
-def _module_state(step: Any) -> dict[str, torch.Tensor]:
-    mod = _module_of(step)
-    if mod is None:
-        return {}
-    state = {n: p for n, p in mod.named_parameters()}
-    state.update({n: b for n, b in mod.named_buffers()})
-    return state
-
-
-def _check_call(item: Any, i: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if (
-        not isinstance(item, (tuple, list))
-        or len(item) != 2
-        or not isinstance(item[0], (tuple, list))
-        or not isinstance(item[1], Mapping)
-    ):
-        raise TypeError(
-            f"verify_loop: call {i} must be an (args, kwargs) pair such as ((x, t), {{}}), got {type(item).__name__}"
-        )
-    return tuple(item[0]), dict(item[1])
-
-
-class _Run:
-    """One pass over the loop: the step (plain or compiled), its own copy of calls and state."""
-
-    def __init__(self, step: Any, calls: Any, state: Any, steps: int | None) -> None:
-        self.step = step
-        self.calls = calls
-        self.state = state
-        self.steps = steps
-
-    def __iter__(self):
-        prev = None
-        i = 0
-        while self.steps is None or i < self.steps:
-            if callable(self.calls):
-                item = self.calls(i, self.state, prev)
-                if item is None:
-                    return
-            else:
-                if i >= len(self.calls):
-                    return
-                item = self.calls[i]
-            args, kwargs = _check_call(item, i)
-            prev = self.step(*args, **kwargs)
-            yield i, prev
-            i += 1
-
-
-def _compile_supports_isolation() -> bool:
-    try:
-        return "isolate_recompiles" in inspect.signature(torch.compile).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return False
-
-
-def _unique_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def verify_loop(
-    step: Callable[..., Any],
-    calls: Iterable[tuple[Sequence[Any], Mapping[str, Any]]] | Callable[[int, Any, Any], Any],
-    *,
-    modes: Sequence[str | LoopMode] = ("nosync-eager", "nosync-inductor", "inductor"),
-    setup: Callable[[], Any] | None = None,
-    steps: int | None = None,
-    options: Mapping[str, Any] | None = None,
-    hoisted: Callable[..., Any] | None = None,
-    compile_kwargs: Mapping[str, Any] | None = None,
-    max_mismatches: int = 20,
-) -> LoopReport:
-    """Run a per-step loop eagerly and under each compiled mode; compare every step bitwise.
-
-    Args:
-        step: the uncompiled step, a function or an ``nn.Module`` (or a bound method of one). Each
-            mode gets its own ``copy.deepcopy`` of it, so modes never share parameters or buffers;
-            a plain function is shared (``deepcopy`` keeps functions), so keep loop state in the
-            module, the calls or ``setup``'s state rather than in globals.
-        calls: what to call the step with, either
-            * a list (or any iterable, read once) of ``(args, kwargs)`` pairs, one per step:
-              ``[((x, t0), {}), ((x, t1), {})]``; or
-            * a function ``calls(i, state, prev) -> (args, kwargs) | None`` producing step ``i``'s
-              arguments from the carried ``state`` (what ``setup()`` returned) and ``prev``, this
-              mode's output of step ``i - 1`` (``None`` at step 0). Return ``None`` to end the loop.
-              It may update ``state`` in place (``state["x"] = state["x"] - prev / n``), which is
-              how a denoising loop carries its latents.
-        modes: compiled modes to run, by name or as :class:`LoopMode`. ``"nosync-eager"``
-            (``backend="nosync"``, ``codegen="eager"``) must equal eager bitwise;
-            ``"nosync-inductor"`` must equal stock ``"inductor"`` bitwise (added if not listed) and
-            its difference from eager is reported as max abs / ULP; ``"inductor"`` is reported
-            against eager only. Also ``"aot_eager"`` and ``"dynamo-eager"`` (must equal eager).
-        setup: ``setup() -> state``, called once; every run (eager and each mode) gets a deep copy.
-        steps: stop after this many steps (default: all of ``calls``, or until it returns ``None``).
-        options: extra options for the nosync modes (``{"invariant": [...]}``).
-        hoisted: the hand-hoisted step (request-invariant values passed as Python constants). If
-            given, stock Inductor on it becomes the bitwise reference of ``"nosync-inductor"``,
-            which is the exact one (removing a break lets Inductor fuse across it, so stock Inductor
-            on the split original may legitimately differ by an ULP).
-        compile_kwargs: more ``torch.compile`` arguments for every mode (``dynamic``, ``fullgraph``).
-        max_mismatches: at most this many differing steps are kept per mode (all are counted).
-
-    The step, calls and state are deep-copied *together* for each run, so aliasing between them
-    (a buffer passed as an argument, one tensor used at every step) is the same in every run.
-    Every run starts from the same torch/CUDA/Python/NumPy RNG state, and the caller's RNG state is
-    restored at the end. Each mode is compiled with ``isolate_recompiles=True`` where torch has it,
-    so modes do not share Dynamo cache entries or recompile budgets and nothing calls
-    ``torch._dynamo.reset()``. Outputs are compared right after each step (before ``calls`` sees
-    them); after the loop the module's parameters and buffers, the state and the (possibly
-    mutated) call arguments are compared too (``phase == "final"``). An exception in a mode is
-    recorded as that mode's ``error``; one in the eager run is re-raised.
-
-    Returns:
-        a :class:`LoopReport`; ``report.ok``, ``report["nosync-eager"].first_divergence``,
-        ``print(report)``, ``report.to_json()``.
-    """
-    resolved = resolve_modes(modes, options, hoisted)
-    if not callable(calls):
-        calls = list(calls)
-        for i, item in enumerate(calls):
-            _check_call(item, i)
-    state0 = setup() if setup is not None else None
-    extra_steps = tuple(m.step for m in resolved if m.step is not None)
-    originals = (step, extra_steps, calls, state0)
-    needed = {m.must_equal for m in resolved if m.must_equal not in (None, "eager")}
-    isolate = _compile_supports_isolation()
-
-    rng = _RngState()
-    try:
-        # ---- eager reference: snapshot every step's outputs
-        eager_step, _, eager_calls, eager_state = copy.deepcopy(originals)
-        eager_outs: list[Any] = []
-        try:
-            for _, out in _Run(eager_step, eager_calls, eager_state, steps):
-                eager_outs.append(_snapshot(out))
-        finally:
-            rng.restore()
-        eager_final = _snapshot(_final_state(eager_step, eager_calls, eager_state))
-        n = len(eager_outs)
-
-        reference_outs: dict[str, list[Any]] = {}
-        reports: dict[str, ModeReport] = {}
-        for mode in _execution_order(resolved):
-            reports[mode.name] = _run_mode(
-                mode, originals, steps, n, eager_outs, eager_final, reference_outs,
-                keep=mode.name in needed, isolate=isolate, compile_kwargs=compile_kwargs or {},
-                max_mismatches=max_mismatches, rng=rng,
-            )
-        return LoopReport(steps=n, modes=tuple(reports[m.name] for m in resolved))
-    finally:
-        rng.restore()
-
-
-def _execution_order(modes: list[LoopMode]) -> list[LoopMode]:
-    """References before the modes that must equal them."""
-    done: list[LoopMode] = []
-    names = {m.name: m for m in modes}
-
-    def visit(m: LoopMode, stack: tuple[str, ...]) -> None:
-        if m in done:
-            return
-        if m.name in stack:
-            raise ValueError(f"modes reference each other in a cycle: {stack + (m.name,)}")
-        if m.must_equal in names:
-            visit(names[m.must_equal], stack + (m.name,))
-        done.append(m)
-
-    for m in modes:
-        visit(m, ())
-    return done
-
-
-def _final_state(step: Any, calls: Any, state: Any) -> dict[str, Any]:
-    final: dict[str, Any] = {"module": _module_state(step)}
-    if state is not None:
-        final["state"] = state
-    if not callable(calls):
-        final["calls"] = calls
-    return final
-
-
-def _run_mode(
-    mode: LoopMode,
-    originals: tuple[Any, ...],
-    steps: int | None,
-    n: int,
-    eager_outs: list[Any],
-    eager_final: Any,
-    reference_outs: dict[str, list[Any]],
-    *,
-    keep: bool,
-    isolate: bool,
-    compile_kwargs: Mapping[str, Any],
-    max_mismatches: int,
-    rng: _RngState,
-) -> ModeReport:
-    step, extra_steps, calls, state = copy.deepcopy(originals)
-    target = step
-    if mode.step is not None:
-        target = extra_steps[[s is mode.step for s in originals[1]].index(True)]
-    kwargs: dict[str, Any] = {**compile_kwargs, **mode.compile_kwargs}
-    if isolate:
-        kwargs.setdefault("isolate_recompiles", True)
-    if mode.options:
-        kwargs["options"] = dict(mode.options)
-    compiled = torch.compile(target, backend=mode.backend, **kwargs)
-    log.debug("verify_loop: running mode %s (%s)", mode.name, mode.describe_backend())
-
-    ref_name = mode.must_equal
-    ref_outs = eager_outs if ref_name == "eager" else reference_outs.get(ref_name) if ref_name else None
-    mismatches: list[StepMismatch] = []
-    diverging = 0
-    e_abs: float | None = None
-    e_ulp: int | None = None
-    e_first: int | None = None
-    ran = 0
-    error = None
-    kept: list[Any] = []
-    graphs0 = _unique_graphs()
-    rng.restore()
-    try:
-        for i, out in _Run(compiled, calls, state, steps):
-            ran = i + 1
-            if keep:
-                kept.append(_snapshot(out))
-            if i >= n:
-                continue  # ran longer than eager; reported through steps_run
-            vs_eager = compare_outputs(eager_outs[i], out)
-            if vs_eager:
-                if e_first is None:
-                    e_first = i
-                e_abs, e_ulp = _accumulate(vs_eager, e_abs, e_ulp)
-            if ref_outs is not None and i < len(ref_outs):
-                found = vs_eager if ref_name == "eager" else compare_outputs(ref_outs[i], out)
-                if found:
-                    diverging += 1
-                    if len(mismatches) < max_mismatches:
-                        mismatches.extend(StepMismatch(i, ref_name, m) for m in found[:3])
-        if ref_name == "eager":
-            final = compare_outputs(eager_final, _final_state(step, calls, state), root="final")
-            mismatches.extend(StepMismatch(ran, "eager", m, phase="final") for m in final[:max_mismatches])
-    except Exception as exc:
-        log.warning("verify_loop: mode %s raised at step %d", mode.name, ran, exc_info=True)
-        error = f"{type(exc).__name__} at step {ran}: {exc}"
-    finally:
-        rng.restore()
-    if keep:
-        reference_outs[mode.name] = kept
-    return ModeReport(
-        name=mode.name,
-        backend=mode.describe_backend(),
-        must_equal=ref_name,
-        steps_run=ran,
-        expected_steps=n,
-        graphs=_unique_graphs() - graphs0,
-        mismatches=tuple(mismatches),
-        diverging_steps=diverging,
-        eager_max_abs=e_abs,
-        eager_max_ulp=e_ulp,
-        eager_first_step=e_first,
-        error=error,
-    )
-
-
-def _accumulate(found: list[Mismatch], max_abs: float | None, max_ulp: int | None) -> tuple[float | None, int | None]:
-    for m in found:
-        if m.max_abs is not None:
-            if max_abs is None or math.isnan(m.max_abs) or (not math.isnan(max_abs) and m.max_abs > max_abs):
-                max_abs = m.max_abs
-        if m.max_ulp is not None and (max_ulp is None or m.max_ulp > max_ulp):
-            max_ulp = m.max_ulp
-    return max_abs, max_ulp

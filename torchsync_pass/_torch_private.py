@@ -1,0 +1,146 @@
+"""Every private torch name that the verifier, the package entry and the symbolic check use.
+
+The Dynamo hook points live in :mod:`torchsync_pass.dynamo_hooks` (with its own self-test); the
+rest of the private torch surface is here, one small function per need, so that a new torch
+release is one file's work. ``tests/test_private_surface.py`` fails when a private torch name is
+used anywhere else in the package.
+
+Release table (what each name is; "2.13" is checked by the test suite on this machine, the other
+releases by ``tests/compat.sh`` where a build is installed):
+
+=========================================================  ==========================  ===========
+private name                                               used for                    torch
+=========================================================  ==========================  ===========
+``torch._subclasses.fake_tensor.is_fake``                  :func:`is_fake`             2.11-2.15
+``torch._subclasses.fake_tensor.unset_fake_temporarily``   :func:`no_fake_mode`        2.11-2.15
+``torch.fx.experimental.symbolic_shapes.guarding_hint_or_throw``  :func:`symint_hint`  2.13-2.15
+``torch.fx.experimental.symbolic_shapes.free_symbols``     :func:`free_symbols`        2.11-2.15
+``node.meta["grapharg"]`` (Dynamo's ``GraphArg``)          :func:`traced_example`      2.11-2.15
+``placeholder._dynamo_source``                             :func:`copy_input_sources`  2.11-2.15
+``torch._dynamo.utils.counters["stats"]["unique_graphs"]`` :func:`unique_graphs`       2.11-2.15
+``torch._dynamo.backends.registry._COMPILER_FNS``          :func:`register_backend`    2.11-2.15
+``torch._logging._internal.register_log``                  :func:`register_log_alias`  2.11-2.15
+``torch.utils._pytree.tree_flatten_with_path``, ``tree_map_only``  :func:`children`,   2.11-2.15
+                                                           :func:`map_tensors`
+=========================================================  ==========================  ===========
+
+NOTE: ``guarding_hint_or_throw`` is new in 2.13; :func:`symint_hint` falls back to ``node.hint``
+without it. Every import is inside the function that needs it, so importing this module is free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+
+def is_fake(x: Any) -> bool:
+    """True for a FakeTensor (a tensor with metadata only)."""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return isinstance(x, torch.Tensor) and _is_fake(x)
+
+
+def no_fake_mode() -> Any:
+    """A context that leaves any active fake mode, so real tensors run real kernels."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - older torch
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
+
+
+def symint_hint(x: Any) -> Any:
+    """The concrete value behind a SymInt/SymFloat/SymBool, or ``None``; adds no guard."""
+    node = x.node
+    hint = node.hint if node.has_hint() else None
+    if hint is None or isinstance(hint, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        try:
+            from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
+            return guarding_hint_or_throw(x)
+        except Exception:
+            return None
+    return hint
+
+
+def free_symbols(v: Any) -> set:
+    """Free sympy symbols of a (fake) tensor or SymInt; raises for tensors without a shape env."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols as _free_symbols
+
+    return set(_free_symbols(v))
+
+
+def traced_example(node: torch.fx.Node) -> tuple[Any, str]:
+    """``(value, "")``: the real input Dynamo traced a placeholder with; ``(None, why_not)``."""
+    grapharg = node.meta.get("grapharg")
+    if grapharg is None:
+        return None, f"placeholder {node.name!r} carries no real value (no grapharg)"
+    try:
+        example = grapharg.example
+    except Exception as exc:  # the weak reference to the real tensor expired
+        return None, f"the real value of placeholder {node.name!r} is gone ({exc})"
+    return (grapharg.example_strong_ref if example is None else example), ""
+
+
+def copy_input_sources(old: torch.fx.Graph, new: torch.fx.Graph) -> None:
+    """Copy the source Dynamo set on each placeholder (outside ``meta``) onto a copied graph."""
+    for a, b in zip(old.find_nodes(op="placeholder"), new.find_nodes(op="placeholder")):
+        if hasattr(a, "_dynamo_source"):
+            b._dynamo_source = a._dynamo_source
+
+
+def unique_graphs() -> int:
+    """How many graphs Dynamo has compiled in this process (its ``unique_graphs`` counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def register_backend(name: str, load: Callable[[], Callable[..., Any]]) -> None:
+    """Register ``load()`` as the ``torch.compile`` backend ``name`` unless the name is taken."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+    from torch._dynamo.backends.registry import register_backend as _register
+
+    if name not in _COMPILER_FNS:
+        _register(load(), name=name)
+
+
+def register_log_alias(alias: str, qnames: list[str]) -> None:
+    """Make ``torch._logging.set_logs(modules={alias: level})`` reach the loggers ``qnames``."""
+    from torch._logging._internal import log_registry, register_log
+
+    if alias not in log_registry.log_alias_to_log_qnames:
+        register_log(alias, qnames)
+
+
+def children(x: Any) -> dict[Any, tuple[str, Any]] | None:
+    """``{key: (path piece, child)}`` for a pytree container, ``None`` for a leaf.
+
+    Keys are the index, dict key or field name; pieces read like Python (``[0]``, ``['h']``,
+    ``.y``). Containers are whatever ``torch.utils._pytree`` knows (tuple, list, dict, named tuples,
+    ``OrderedDict``, ``deque``, registered classes such as ``transformers``' ``ModelOutput``).
+    """
+    from torch.utils._pytree import tree_flatten, tree_flatten_with_path
+
+    def top(y: Any) -> bool:
+        return y is not x
+
+    try:
+        pairs, spec = tree_flatten_with_path(x, is_leaf=top)
+    except ValueError:  # a node registered without key paths
+        leaves, spec = tree_flatten(x, is_leaf=top)
+        pairs = [((i,), c) for i, c in enumerate(leaves)]
+    if spec.is_leaf():
+        return None
+    raw = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for (k,), _ in pairs]
+    return {r: (f"[{k}]" if isinstance(k, int) else str(k), c) for r, ((k,), c) in zip(raw, pairs)}
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``tree`` rebuilt with ``fn`` applied to every tensor in its pytree containers."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, fn, tree)
