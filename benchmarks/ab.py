@@ -181,14 +181,12 @@ def max_abs_diff(a, b) -> float | None:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
-def percentile(xs: list[float], q: float) -> float:
-    """Linear-interpolation percentile, q in [0, 100]."""
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+def p10_p90(xs: list[float]) -> tuple[float, float]:
+    """10th and 90th percentiles, interpolated between the samples."""
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    deciles = statistics.quantiles(xs, n=10, method="inclusive")
+    return deciles[0], deciles[-1]
 
 
 def to_device(obj, device: torch.device):
@@ -197,13 +195,6 @@ def to_device(obj, device: torch.device):
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
     return obj
-
-
-def backend_status() -> str:
-    """First line of the nosync backend's module docstring (says so while it is a placeholder)."""
-    mod = importlib.import_module("torchsync_pass.backend")
-    doc = (mod.__doc__ or "").strip().splitlines()
-    return doc[0].rstrip(".") if doc else "torchsync_pass.backend"
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -225,7 +216,6 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "device": str(device),
         "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "nosync_backend": backend_status(),
         "sync_counter": sync_counter_name(),
     }
     if device.type == "cuda":
@@ -294,21 +284,6 @@ class CompileTracker:
     def stats(self) -> dict[str, Any]:
         return {"graphs": self.graphs, "graph_breaks": self.graph_breaks, "recompiles": self.recompiles,
                 "recompile_reasons": list(self.reasons)}
-
-
-def dynamo_stats() -> dict[str, int]:
-    """Graphs compiled, graph breaks and recompiles since the last ``reset_dynamo()``."""
-    from torch._dynamo.utils import counters, get_compilation_metrics
-
-    seen: dict[tuple, int] = {}
-    for m in get_compilation_metrics():
-        key = (m.co_filename, m.co_firstlineno, m.co_name)
-        seen[key] = seen.get(key, 0) + 1
-    return {
-        "graphs": int(counters["stats"]["unique_graphs"]),
-        "graph_breaks": int(sum(counters["graph_break"].values())),
-        "recompiles": sum(n - 1 for n in seen.values()),
-    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,8 +474,7 @@ def finish(p: Prepared) -> Result:
     res = p.result
     res.repeats = len(p.samples)
     res.median_us = statistics.median(p.samples) * 1e6
-    res.p10_us = percentile(p.samples, 10) * 1e6
-    res.p90_us = percentile(p.samples, 90) * 1e6
+    res.p10_us, res.p90_us = (q * 1e6 for q in p10_p90(p.samples))
     if res.variant != "eager":
         res.__dict__.update(p.tracker.stats())
     return res
@@ -565,9 +539,10 @@ def guard_overhead(ns: tuple[int, ...], calls: int, repeats: int) -> dict[str, A
         for n in ns:
             reset_dynamo()
             nos = torch.compile(_sites_module(n, False), backend="nosync", options={"codegen": "eager"})
-            nos(x)
-            nos(x)
-            stats = dynamo_stats()
+            tracker = CompileTracker()
+            with tracker.track():
+                nos(x)
+                nos(x)
             hand = torch.compile(_sites_module(n, True), backend="eager")
             hand(x)
             hand(x)
@@ -580,8 +555,8 @@ def guard_overhead(ns: tuple[int, ...], calls: int, repeats: int) -> dict[str, A
                 "sites": n,
                 "nosync_us": statistics.median(t_nos) * 1e6,
                 "hoisted_us": statistics.median(t_hand) * 1e6,
-                "nosync_graphs": stats["graphs"],
-                "nosync_breaks": stats["graph_breaks"],
+                "nosync_graphs": tracker.graphs,
+                "nosync_breaks": tracker.graph_breaks,
             })
     # least-squares line through (sites, nosync - hoisted): slope = cost per site, intercept = per call
     xs = [r["sites"] for r in rows]
@@ -704,7 +679,7 @@ def format_report(payload: dict[str, Any]) -> str:
         "",
         f"Machine: {m['cpu']} ({m['cpus']} CPUs, torch threads {m['torch_threads']}), "
         f"device {m['device']}{' ' + m['gpu'] if 'gpu' in m else ''}; torch {m['torch']}, Python {m['python']}.",
-        f"nosync backend: {m['nosync_backend']}. Sync counter: {m['sync_counter']}.",
+        f"Sync counter: {m['sync_counter']}.",
         f"Load average (1 min) at start / end: {m.get('load_avg_1m_start')} / {m.get('load_avg_1m')}"
         + (" (above the CPU count: other work shared the machine; read p10-p90 as the noise)."
            if max(m.get("load_avg_1m_start") or 0, m.get("load_avg_1m") or 0) > (m.get("cpus") or 1)

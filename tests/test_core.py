@@ -375,7 +375,6 @@ def test_randomized_events_never_stale():
         (torch.tensor([1, 1, 1, 1, 1, 1]), torch.tensor(1.0)),
         (torch.tensor([2, 0, 0, 0, 0, 0]), torch.tensor(3.0)),
     ]
-    calls = 0
     for _ in range(520):
         event = rng.randrange(8)
         types, cfg = requests[rng.randrange(len(requests))]
@@ -395,8 +394,9 @@ def test_randomized_events_never_stale():
         elif event == 6:
             model.scale = torch.tensor(rng.choice([1.5, 0.5, -0.0]))
         assert_bitwise(step(x, types, cfg), model(x, types, cfg))
-        calls += 1
-    assert calls >= 500
+    # the guards did the work: checks answered from the memo, writes and new objects re-synced
+    c = counters["nosync"]
+    assert c["guard_hits"] > 0 and c["guard_syncs"] > 0
     # bounded: demotion caps the cache entries, never the recompile limit
     assert step.graphs <= 4 * 16
     assert counters["nosync"]["hoisted"] > 0

@@ -3,7 +3,7 @@
 Issue 4, point 3. Each test names one hostile or unusual use and asserts exactly what the user
 gets: the error type and text, the decision records (action and Reason), the counters, and
 bitwise equality with eager (``codegen="eager"`` runs the FX graph itself, so any difference is a
-wrong hoisted value). Known product bugs are strict xfails whose reason starts with ``BUG:``.
+wrong hoisted value).
 
 Process-wide states that cannot be undone in-process (hooks that fail to install, a torch version
 outside the supported range) run in a subprocess.
@@ -177,7 +177,7 @@ _HOOK_SCRIPT = textwrap.dedent(
     [
         pytest.param("patch-raises", "inductor",
                      "could not install a Dynamo hook: AttributeError: TensorVariable has no attribute "
-                     "'method_item'", id="hook-missing-inductor"),
+                     "'method_item'", id="hook-missing-inductor", marks=pytest.mark.inductor),
         pytest.param("hook-never-fires", "eager",
                      "Dynamo hook(s) installed but never fired: TensorVariable.method_item", id="hook-dead"),
         pytest.param("old-torch", "eager", "torch 2.12.1 is outside the supported range >=2.13,<2.16",

@@ -696,3 +696,14 @@ def test_inductor_codegen_checked_against_reference_graph():
     torch.compile(f, backend=backend)(torch.randn(16))
     (result,) = results
     assert result.status is VerifyStatus.PASSED, result.message
+
+
+def test_verify_loop_allows_one_level_of_references():
+    ok = resolve_modes((LoopMode("ref", "eager", must_equal=None), LoopMode("b", "eager", must_equal="ref")))
+    assert [m.name for m in ok] == ["ref", "b"]
+    chain = (LoopMode("a", "eager", must_equal="b"), LoopMode("b", "eager", must_equal="c"),
+             LoopMode("c", "eager", must_equal=None))
+    with pytest.raises(ValueError, match="mode 'a' must equal 'b', which itself must equal 'c'"):
+        verify_loop(lambda x: x, [], modes=chain)
+    with pytest.raises(ValueError, match="mode 'a' must equal 'a', which itself must equal 'a'"):
+        verify_loop(lambda x: x, [], modes=(LoopMode("a", "eager", must_equal="a"),))

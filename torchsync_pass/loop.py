@@ -13,12 +13,13 @@ import dataclasses
 import inspect
 import logging
 import math
+import textwrap
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from . import _torch_private as private
-from .verify import Mismatch, _fmt_float, _indent, _json_float, _RngState, compare_outputs, snapshot
+from .verify import Mismatch, _RngState, compare_outputs, json_scalar, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ class ModeReport:
             else:
                 ulp = "n/a" if self.eager_max_ulp is None else str(self.eager_max_ulp)
                 lines.append(
-                    f"    vs eager: max abs diff {_fmt_float(self.eager_max_abs or 0.0)}, max ULP {ulp} "
+                    f"    vs eager: max abs diff {self.eager_max_abs or 0.0:.6g}, max ULP {ulp} "
                     f"(first difference at step {self.eager_first_step}; reported, not required equal)"
                 )
         return "\n".join(lines)
@@ -184,7 +185,7 @@ class ModeReport:
             "diverging_steps": self.diverging_steps,
             "mismatches": [m.to_json() for m in self.mismatches],
             "vs_eager": {
-                "max_abs": _json_float(self.eager_max_abs),
+                "max_abs": json_scalar(self.eager_max_abs),
                 "max_ulp": self.eager_max_ulp,
                 "first_step": self.eager_first_step,
             },
@@ -212,7 +213,7 @@ class LoopReport:
     def __str__(self) -> str:
         status = "ok" if self.ok else "FAILED"
         lines = [f"verify_loop: {self.steps} eager steps, {len(self.modes)} modes: {status}"]
-        lines.extend(_indent(m.describe(), "  ") for m in self.modes)
+        lines.extend(textwrap.indent(m.describe(), "  ") for m in self.modes)
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:

@@ -37,6 +37,7 @@ import math
 import random
 import re
 import sys
+import textwrap
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -122,7 +123,7 @@ class Mismatch:
         """One line: path, what differs, max abs and ULP."""
         parts = [f"{self.path}: {self.detail}"]
         if self.max_abs is not None:
-            parts.append(f"max abs diff {_fmt_float(self.max_abs)}")
+            parts.append(f"max abs diff {self.max_abs:.6g}")
         if self.max_ulp is not None:
             parts.append(f"max ULP distance {self.max_ulp}")
         if self.index is not None:
@@ -134,23 +135,13 @@ class Mismatch:
     def describe(self) -> str:
         text = self.summary()
         if self.source:
-            text += "\n" + _indent(self.source, "    ")
+            text += "\n" + textwrap.indent(self.source, "    ")
         return text
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "diffs": [d.value for d in self.diffs],
-            "detail": self.detail,
-            "max_abs": _json_float(self.max_abs),
-            "max_ulp": self.max_ulp,
-            "num_different": self.num_different,
-            "numel": self.numel,
-            "index": list(self.index) if self.index is not None else None,
-            "expected_value": _json_scalar(self.expected_value),
-            "actual_value": _json_scalar(self.actual_value),
-            "source": self.source,
-        }
+        d = dataclasses.asdict(self)
+        d.update(diffs=[x.value for x in self.diffs], index=list(self.index) if self.index is not None else None)
+        return {k: json_scalar(v) for k, v in d.items()}
 
 
 def format_mismatches(mismatches: Iterable[Mismatch], *, limit: int = 10) -> str:
@@ -164,30 +155,11 @@ def format_mismatches(mismatches: Iterable[Mismatch], *, limit: int = 10) -> str
     return "\n".join(lines)
 
 
-def _fmt_float(x: float) -> str:
-    if math.isnan(x) or math.isinf(x):
-        return str(x)
-    return f"{x:.6g}"
-
-
-def _indent(text: str, prefix: str) -> str:
-    return "\n".join(prefix + line for line in text.splitlines())
-
-
-def _json_float(x: float | None) -> float | str | None:
-    if x is None:
-        return None
-    if math.isnan(x) or math.isinf(x):
-        return str(x)
-    return x
-
-
-def _json_scalar(x: Any) -> Any:
-    if x is None or isinstance(x, (bool, int, str)):
-        return x
+def json_scalar(x: Any) -> Any:
+    """``x`` as JSON holds it: ``nan``/``inf`` as strings, other non-JSON scalars as their repr."""
     if isinstance(x, float):
-        return _json_float(x)
-    return repr(x)
+        return x if math.isfinite(x) else str(x)
+    return x if x is None or isinstance(x, (bool, int, str, list)) else repr(x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,24 +311,9 @@ def _compare_tensors(path: str, e: torch.Tensor, a: torch.Tensor, out: list[Mism
     value = _value_mismatch(e, a) if numel else None
     if value is not None:
         diffs.append(Diff.VALUE)
-        details.append(value["detail"])
-    if not diffs:
-        return
-    value = value or {}
-    out.append(
-        Mismatch(
-            path,
-            tuple(diffs),
-            ", ".join(details),
-            max_abs=value.get("max_abs"),
-            max_ulp=value.get("max_ulp"),
-            num_different=value.get("num_different", 0),
-            numel=numel,
-            index=value.get("index"),
-            expected_value=value.get("expected_value"),
-            actual_value=value.get("actual_value"),
-        )
-    )
+        details.append(value.pop("detail"))
+    if diffs:
+        out.append(Mismatch(path, tuple(diffs), ", ".join(details), numel=numel, **(value or {"num_different": 0})))
 
 
 def _value_mismatch(e: torch.Tensor, a: torch.Tensor) -> dict[str, Any] | None:
@@ -874,7 +831,7 @@ def verify_compiled(
         if strict
         else "set options={'strict': True} to raise instead of warning"
     )
-    message = f"{head}\n{_indent(format_mismatches(mismatches), '  ')}\n  ({hint})"
+    message = f"{head}\n{textwrap.indent(format_mismatches(mismatches), '  ')}\n  ({hint})"
     result = VerifyResult(mismatches, name=name, status=VerifyStatus.FAILED, inputs_from=inputs_from, message=message)
     if strict:
         raise VerificationError(message)
