@@ -9,11 +9,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test demo bench explain test-compat clean
 
+# The stamp holds the torch pin the venv was built with; another TORCH_PIN reinstalls.
+ifneq ($(shell cat $(STAMP) 2>/dev/null),$(TORCH_PIN))
+.PHONY: $(STAMP)
+endif
+
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
 	$(VPY) -m pip install -q --disable-pip-version-check -e ".[test]"
-	touch $(STAMP)
+	echo '$(TORCH_PIN)' > $(STAMP)
 
 venv: $(STAMP)
 
