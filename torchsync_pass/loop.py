@@ -14,7 +14,7 @@ import inspect
 import logging
 import math
 import textwrap
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -217,27 +217,15 @@ class LoopReport:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "steps": self.steps,
-            "modes": [m.to_json() for m in self.modes],
-        }
-
-
-def _module_of(step: Any) -> torch.nn.Module | None:
-    if isinstance(step, torch.nn.Module):
-        return step
-    owner = getattr(step, "__self__", None)
-    return owner if isinstance(owner, torch.nn.Module) else None
+        return {"ok": self.ok, "steps": self.steps, "modes": [m.to_json() for m in self.modes]}
 
 
 def _module_state(step: Any) -> dict[str, torch.Tensor]:
-    mod = _module_of(step)
-    if mod is None:
+    """Parameters and buffers of the step's module (the step itself, or the owner of a bound method)."""
+    mod = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
+    if not isinstance(mod, torch.nn.Module):
         return {}
-    state = {n: p for n, p in mod.named_parameters()}
-    state.update({n: b for n, b in mod.named_buffers()})
-    return state
+    return {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
 
 
 def _check_call(item: Any, i: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -253,31 +241,18 @@ def _check_call(item: Any, i: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return tuple(item[0]), dict(item[1])
 
 
-class _Run:
-    """One pass over the loop: the step (plain or compiled), its own copy of calls and state."""
-
-    def __init__(self, step: Any, calls: Any, state: Any, steps: int | None) -> None:
-        self.step = step
-        self.calls = calls
-        self.state = state
-        self.steps = steps
-
-    def __iter__(self):
-        prev = None
-        i = 0
-        while self.steps is None or i < self.steps:
-            if callable(self.calls):
-                item = self.calls(i, self.state, prev)
-                if item is None:
-                    return
-            else:
-                if i >= len(self.calls):
-                    return
-                item = self.calls[i]
-            args, kwargs = _check_call(item, i)
-            prev = self.step(*args, **kwargs)
-            yield i, prev
-            i += 1
+def _run(step: Any, calls: Any, state: Any, steps: int | None) -> Iterator[tuple[int, Any]]:
+    """One pass over the loop: ``(i, output)`` of the step (plain or compiled) at each step."""
+    prev = None
+    i = 0
+    while steps is None or i < steps:
+        item = calls(i, state, prev) if callable(calls) else calls[i] if i < len(calls) else None
+        if item is None:
+            return
+        args, kwargs = _check_call(item, i)
+        prev = step(*args, **kwargs)
+        yield i, prev
+        i += 1
 
 
 def _compile_supports_isolation() -> bool:
@@ -360,7 +335,7 @@ def verify_loop(
         eager_step, _, eager_calls, eager_state = copy.deepcopy(originals)
         eager_outs: list[Any] = []
         try:
-            for _, out in _Run(eager_step, eager_calls, eager_state, steps):
+            for _, out in _run(eager_step, eager_calls, eager_state, steps):
                 eager_outs.append(snapshot(out))
         finally:
             rng.restore()
@@ -431,7 +406,7 @@ def _run_mode(
     graphs0 = private.unique_graphs()
     rng.restore()
     try:
-        for i, out in _Run(compiled, calls, state, steps):
+        for i, out in _run(compiled, calls, state, steps):
             ran = i + 1
             if keep:
                 kept.append(snapshot(out))

@@ -1,4 +1,4 @@
-"""Bitwise verification: compiled against eager, per graph and per loop.
+"""Bitwise verification of compiled graphs against eager (the loop comparison is in loop.py).
 
 A sync-removal pass is only worth using if it provably never changes a result, so "equal" here is
 strict: two tensors are equal when they have the same dtype, shape, significant strides and device
@@ -759,58 +759,21 @@ def verify_compiled(
     values, inputs_from, why = _real_inputs(gm, example_inputs)
     if values is None:
         return _skip(name, why, strict)
-
     with private.no_fake_mode():
-        rng = _RngState()
-        state = _ModuleState(gm)
-        ref_inputs = snapshot(list(values))
-        ref_versions = [v._version if isinstance(v, torch.Tensor) else None for v in ref_inputs]
-        try:
-            expected = gm(*ref_inputs)
-        except Exception as exc:
-            rng.restore()
-            state.restore()
-            log.warning("nosync verify: graph %s: the eager FX graph raised on the real inputs", name, exc_info=True)
-            return _skip(name, f"the eager FX graph raised {type(exc).__name__}: {exc}", strict)
-        ref_written = state.written()
-        state.restore()
-        rng.restore()
-
-        act_inputs = snapshot(list(values))
-        act_versions = [v._version if isinstance(v, torch.Tensor) else None for v in act_inputs]
-        mismatches: list[Mismatch] = []
-        try:
-            actual = compiled_fn(*act_inputs)  # as Dynamo's bytecode calls it
-        except Exception as exc:
-            log.debug("nosync verify: graph %s: compiled artifact raised", name, exc_info=True)
-            actual = None
-            mismatches.append(Mismatch("out", (Diff.ERROR,), f"the compiled graph raised {type(exc).__name__}: {exc}"))
-        act_written = state.written()
-        state.restore()
-        rng.restore()
-
-    if actual is not None or not mismatches:
-        exp_list, act_list = _as_list(expected), _as_list(actual)
-        if len(exp_list) != len(act_list):
-            mismatches.append(Mismatch("out", (Diff.STRUCTURE,), f"{len(exp_list)} outputs vs {len(act_list)}"))
-        for i, (e, a) in enumerate(zip(exp_list, act_list)):
-            mismatches.extend(compare_outputs(e, a, root=f"out[{i}]"))
-        # Inputs either run wrote in place must end up the same.
-        for i, (r, a) in enumerate(zip(ref_inputs, act_inputs)):
-            if isinstance(r, torch.Tensor) and (r._version != ref_versions[i] or a._version != act_versions[i]):
-                mismatches.extend(compare_outputs(r, a, root=f"input[{i}]"))
-        for key in sorted(set(ref_written) | set(act_written)):
-            if key not in ref_written or key not in act_written:
-                who = "compiled graph" if key in act_written else "eager FX graph"
-                mismatches.append(Mismatch(f"gm.{key}", (Diff.VALUE,), f"written in place only by the {who}"))
-            else:
-                mismatches.extend(compare_outputs(ref_written[key], act_written[key], root=f"gm.{key}"))
+        rng, state = _RngState(), _ModuleState(gm)
+        ref = _run_once(gm, values, state, rng)
+        if ref.error is not None:
+            log.warning("nosync verify: graph %s: the eager FX graph raised on the real inputs", name,
+                        exc_info=ref.error)
+            return _skip(name, f"the eager FX graph raised {type(ref.error).__name__}: {ref.error}", strict)
+        act = _run_once(compiled_fn, values, state, rng)  # as Dynamo's bytecode calls it
+    mismatches = _compare_runs(ref, act)
     written_params = state.written_params()
     if written_params:
         log.warning(
             "nosync verify: graph %s wrote parameters %s in place; verification ran it twice", name, written_params
         )
-
+    expected = ref.out
     if not mismatches:
         log.debug("nosync verify: graph %s: %d outputs bitwise equal to eager", name, len(_as_list(expected)))
         return VerifyResult(name=name, status=VerifyStatus.PASSED, inputs_from=inputs_from)
@@ -838,6 +801,55 @@ def verify_compiled(
     log.warning("%s", message)
     warnings.warn(message, VerificationWarning, stacklevel=2)
     return result
+
+
+@dataclasses.dataclass
+class _Run:
+    """One run of a graph on its own exact clones of the inputs."""
+
+    inputs: list[Any]
+    versions: list[int | None]
+    out: Any = None
+    error: Exception | None = None
+    written: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+def _run_once(fn: Callable[..., Any], values: Sequence[Any], state: _ModuleState, rng: _RngState) -> _Run:
+    """Run ``fn`` on fresh clones of ``values``; put the module's buffers and the RNG back after."""
+    inputs = snapshot(list(values))
+    run = _Run(inputs, [v._version if isinstance(v, torch.Tensor) else None for v in inputs])
+    try:
+        run.out = fn(*inputs)
+    except Exception as exc:
+        log.debug("nosync verify: %s raised", getattr(fn, "__name__", fn), exc_info=True)
+        run.error = exc
+    run.written = state.written()
+    state.restore()
+    rng.restore()
+    return run
+
+
+def _compare_runs(ref: _Run, act: _Run) -> list[Mismatch]:
+    """Outputs, inputs either run wrote in place, and module buffers either run wrote."""
+    if act.error is not None:
+        err = act.error
+        return [Mismatch("out", (Diff.ERROR,), f"the compiled graph raised {type(err).__name__}: {err}")]
+    mismatches = []
+    exp_list, act_list = _as_list(ref.out), _as_list(act.out)
+    if len(exp_list) != len(act_list):
+        mismatches.append(Mismatch("out", (Diff.STRUCTURE,), f"{len(exp_list)} outputs vs {len(act_list)}"))
+    for i, (e, a) in enumerate(zip(exp_list, act_list)):
+        mismatches.extend(compare_outputs(e, a, root=f"out[{i}]"))
+    for i, (r, a) in enumerate(zip(ref.inputs, act.inputs)):
+        if isinstance(r, torch.Tensor) and (r._version != ref.versions[i] or a._version != act.versions[i]):
+            mismatches.extend(compare_outputs(r, a, root=f"input[{i}]"))
+    for key in sorted(set(ref.written) | set(act.written)):
+        if key not in ref.written or key not in act.written:
+            who = "compiled graph" if key in act.written else "eager FX graph"
+            mismatches.append(Mismatch(f"gm.{key}", (Diff.VALUE,), f"written in place only by the {who}"))
+        else:
+            mismatches.extend(compare_outputs(ref.written[key], act.written[key], root=f"gm.{key}"))
+    return mismatches
 
 
 def _skip(name: str, why: str, strict: bool) -> VerifyResult:
