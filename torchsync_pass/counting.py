@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import dynamo_hooks
+from .guards import value_key
 from .report import SiteKey, current_guard_site
 
 log = logging.getLogger(__name__)
@@ -400,7 +401,7 @@ def _value_key(kind: str, out: Any) -> tuple[Any, str]:
     """A hashable, bounded key for the value a sync returned, and a short repr."""
     try:
         if isinstance(out, float):
-            return ("f", out.hex()), repr(out)  # bitwise: -0.0 != 0.0, nan == nan
+            return value_key(out), repr(out)  # bitwise: -0.0 != 0.0
         if isinstance(out, (bool, int, complex)):
             return (type(out).__name__, out), repr(out)
         if kind in ("nonzero", "mask_index", "masked_select") and isinstance(out, torch.Tensor):
