@@ -32,7 +32,8 @@ class LoopMode:
 
     ``backend`` and ``options`` go to ``torch.compile`` (with ``compile_kwargs`` such as
     ``dynamic``/``fullgraph``). ``must_equal`` names the run whose outputs this mode must reproduce
-    bitwise (``"eager"``, another mode's name, or ``None`` for "report the difference only").
+    bitwise (``"eager"``, another mode's name, or ``None`` for "report the difference only"); a mode
+    named that way must itself equal ``"eager"`` or ``None`` (one level of references).
     ``step`` compiles another callable instead of the loop's step (a hand-hoisted reference); it is
     deep-copied together with the step, so a bound method of the same module binds to the copy.
     """
