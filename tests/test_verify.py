@@ -165,6 +165,12 @@ def test_nested_structures_name_the_path():
     assert only(compare_outputs(Point(1, 2.0), Point(1, -2.0))).path == "out.y"
 
 
+def test_any_pytree_container_is_walked():
+    x = torch.tensor([1.0, 2.0])
+    m = only(compare_outputs(collections.deque([x]), collections.deque([one_ulp_up(x, 1)])))
+    assert m.path == "out[0]" and m.max_ulp == 1 and m.index == (1,)
+
+
 def test_container_and_scalar_type_differences():
     by_path = {m.path: m for m in compare_outputs({"a": (1, 2), "b": True}, {"a": [1, 2], "c": 1}, root="r")}
     assert by_path["r['a']"].diffs == (Diff.TYPE,) and by_path["r['a']"].detail == "type tuple vs list"
