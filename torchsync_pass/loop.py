@@ -174,24 +174,13 @@ class ModeReport:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "backend": self.backend,
-            "must_equal": self.must_equal,
-            "ok": self.ok,
-            "steps_run": self.steps_run,
-            "expected_steps": self.expected_steps,
-            "graphs": self.graphs,
-            "first_divergence": self.first_divergence.to_json() if self.first_divergence else None,
-            "diverging_steps": self.diverging_steps,
-            "mismatches": [m.to_json() for m in self.mismatches],
-            "vs_eager": {
-                "max_abs": json_scalar(self.eager_max_abs),
-                "max_ulp": self.eager_max_ulp,
-                "first_step": self.eager_first_step,
-            },
-            "error": self.error,
-        }
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("eager_")}
+        first = self.first_divergence
+        d.update(ok=self.ok, first_divergence=first.to_json() if first else None,
+                 mismatches=[m.to_json() for m in self.mismatches],
+                 vs_eager={"max_abs": json_scalar(self.eager_max_abs), "max_ulp": self.eager_max_ulp,
+                           "first_step": self.eager_first_step})
+        return d
 
 
 @dataclasses.dataclass(frozen=True)

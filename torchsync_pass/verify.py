@@ -263,18 +263,12 @@ def _significant_strides(t: torch.Tensor) -> tuple[int, ...]:
 def _compare_tensors(path: str, e: torch.Tensor, a: torch.Tensor, out: list[Mismatch]) -> None:
     diffs: list[Diff] = []
     details: list[str] = []
-    if e.device != a.device:
-        diffs.append(Diff.DEVICE)
-        details.append(f"device {e.device} vs {a.device}")
-    if e.layout != a.layout:
-        diffs.append(Diff.LAYOUT)
-        details.append(f"layout {e.layout} vs {a.layout}")
-    if e.dtype != a.dtype:
-        diffs.append(Diff.DTYPE)
-        details.append(f"dtype {e.dtype} vs {a.dtype}")
-    if e.shape != a.shape:
-        diffs.append(Diff.SHAPE)
-        details.append(f"shape {list(e.shape)} vs {list(a.shape)}")
+    for diff, x, y in ((Diff.DEVICE, e.device, a.device), (Diff.LAYOUT, e.layout, a.layout),
+                       (Diff.DTYPE, e.dtype, a.dtype), (Diff.SHAPE, list(e.shape), list(a.shape))):
+        if x != y:
+            diffs.append(diff)
+            details.append(f"{diff.value} {x} vs {y}")
+    if Diff.SHAPE in diffs:
         out.append(Mismatch(path, tuple(diffs), ", ".join(details)))
         return
     e = e.detach()
