@@ -115,10 +115,6 @@ class Mismatch:
     actual_value: Any = None
     source: str = ""
 
-    @property
-    def kind(self) -> Diff:
-        return self.diffs[0]
-
     def summary(self) -> str:
         """One line: path, what differs, max abs and ULP."""
         parts = [f"{self.path}: {self.detail}"]
