@@ -32,6 +32,7 @@ from torchsync_pass.verify import (
     format_mismatches,
     max_ulp_distance,
     reference_graph,
+    snapshot,
     verify_compiled,
 )
 
@@ -169,6 +170,17 @@ def test_any_pytree_container_is_walked():
     x = torch.tensor([1.0, 2.0])
     m = only(compare_outputs(collections.deque([x]), collections.deque([one_ulp_up(x, 1)])))
     assert m.path == "out[0]" and m.max_ulp == 1 and m.index == (1,)
+
+
+def test_snapshot_copies_tensors_in_dataclasses_and_pytree_containers():
+    t = torch.ones(2)
+    snap = snapshot({"p": Pair(t, 1.0), "q": collections.deque([t, t[1:]])})
+    t.add_(1)
+    assert snap["p"].a.tolist() == [1.0, 1.0] and snap["q"][0].tolist() == [1.0, 1.0]
+    assert snap["p"].b == 1.0 and isinstance(snap["q"], collections.deque)
+    storage = snap["p"].a.untyped_storage().data_ptr()
+    assert storage == snap["q"][1].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()  # aliasing kept
+    assert snap["q"][1].storage_offset() == 1
 
 
 def test_container_and_scalar_type_differences():

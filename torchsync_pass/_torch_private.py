@@ -21,7 +21,7 @@ private name                                                     used by
 ``torch._dynamo.backends.registry._COMPILER_FNS``                :func:`register_backend`
 ``torch._logging._internal.register_log``                        :func:`register_log_alias`
 ``torch.utils._pytree.tree_flatten_with_path``                   :func:`children`
-``torch.utils._pytree.tree_map_only``                            :func:`map_tensors`
+``torch.utils._pytree.tree_map``                                 :func:`map_leaves`
 ===============================================================  ==============================
 
 NOTE: :func:`symint_hint` asks ``guarding_hint_or_throw`` only when ``node.hint`` is missing; it
@@ -139,8 +139,8 @@ def children(x: Any) -> dict[Any, tuple[str, Any]] | None:
     return {r: (f"[{k}]" if isinstance(k, int) else str(k), c) for r, ((k,), c) in zip(raw, pairs)}
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
-    """``tree`` rebuilt with ``fn`` applied to every tensor in its pytree containers."""
-    from torch.utils._pytree import tree_map_only
+def map_leaves(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """``tree`` rebuilt with ``fn`` applied to every leaf of its pytree containers."""
+    from torch.utils._pytree import tree_map
 
-    return tree_map_only(torch.Tensor, fn, tree)
+    return tree_map(fn, tree, is_leaf=is_leaf)

@@ -61,6 +61,7 @@ __all__ = [
     "format_mismatches",
     "max_ulp_distance",
     "reference_graph",
+    "snapshot",
     "verify_compiled",
 ]
 
@@ -387,7 +388,7 @@ def _children(x: Any) -> dict[Any, tuple[str, Any]] | None:
     """``{key: (path piece, child)}`` of a container, ``None`` for a leaf (tensors are leaves)."""
     if isinstance(x, torch.Tensor):
         return None
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+    if _is_dataclass(x):
         return {f.name: (f".{f.name}", getattr(x, f.name)) for f in dataclasses.fields(x)}
     return private.children(x)
 
@@ -480,13 +481,26 @@ def _clone_exact(t: torch.Tensor, storages: dict[Any, Any]) -> torch.Tensor:
 
 
 def snapshot(tree: Any) -> Any:
-    """``tree`` with every tensor in its pytree containers replaced by an exact clone.
+    """``tree`` with every tensor in its containers (pytree's, and dataclasses) replaced by an exact clone.
 
-    Tensors that alias each other still alias in the copy (see :func:`_clone_exact`). NOTE: objects
-    pytree does not know (an unregistered dataclass, say) are kept by reference, not copied.
+    Tensors that alias each other still alias in the copy (see :func:`_clone_exact`); other leaves
+    are kept as they are.
     """
     storages: dict[Any, Any] = {}
-    return private.map_tensors(lambda t: _clone_exact(t, storages), tree)
+
+    def copy(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return _clone_exact(x, storages)
+        if _is_dataclass(x):  # a leaf to pytree: copy its init fields
+            fields = [f.name for f in dataclasses.fields(x) if f.init]
+            return dataclasses.replace(x, **{n: private.map_leaves(copy, getattr(x, n), _is_dataclass) for n in fields})
+        return x
+
+    return private.map_leaves(copy, tree, _is_dataclass)
+
+
+def _is_dataclass(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
 # --------------------------------------------------------------------------------------------
