@@ -31,6 +31,7 @@ _LAZY = {
     "nosync": "backend",
     "NosyncBackend": "backend",
     "reset": "backend",
+    "keep_nosync_guards": "backend",
 }
 
 __all__ = ["Action", "Decision", "Reason", "SiteKey", "decisions", *sorted(_LAZY)]

@@ -208,6 +208,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
 
         # NOTE: copy before codegen: Inductor's pre-grad passes rewrite gm in place.
         reference = verify.reference_graph(gm)
+    guards.demote_hidden_writes(gm.graph, compile_id)
     if cone.remove_dead_cones(gm):
         log.debug("nosync: removed the dead cones of hoisted syncs from graph %s", compile_id)
     try:
@@ -230,7 +231,21 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     _COMPILED.append(entry)
     if record is not None:
         record.append(entry)
-    return compiled
+    # NOTE: after verification, which runs the graph: see Note [A guard nobody can drop silently]
+    return dynamo_hooks.require_guard(compiled)
+
+
+def keep_nosync_guards(guard_filter_fn: Callable[[list], list]) -> Callable[[list], list]:
+    """Wrap a ``guard_filter_fn`` so that it keeps nosync's guard whatever it does with the rest.
+
+    ``torch.compile(f, backend="nosync", options={"guard_filter_fn":
+    torchsync_pass.keep_nosync_guards(torch.compiler.skip_all_guards_unsafe)})``
+    """
+
+    def keep(entries: list) -> list:
+        return [bool(k) or dynamo_hooks.is_nosync_guard(e) for k, e in zip(guard_filter_fn(entries), entries)]
+
+    return keep
 
 
 def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode: Optional[str]) -> Callable:

@@ -39,6 +39,7 @@ import inspect
 import logging
 import operator
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -173,6 +174,67 @@ def _inplace_flag(node: fx.Node) -> bool:
     return bound.arguments.get("inplace") is True
 
 
+# Ops that write an argument in place without bumping its version counter (and whose schema, where
+# they have one, does not say so): name -> (written argument names, flag that must be True for the
+# write, or "" when it always writes). NOTE: nn.BatchNorm*/InstanceNorm* in training mode update
+# running_mean/running_var this way; _version stays the same, so a memo keyed on it goes stale.
+_HIDDEN_WRITERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "batch_norm": (("running_mean", "running_var"), "training"),
+    "native_batch_norm": (("running_mean", "running_var"), "training"),
+    "_native_batch_norm_legit": (("running_mean", "running_var"), "training"),
+    "_batch_norm_with_update": (("running_mean", "running_var"), ""),
+    "_batch_norm_impl_index": (("running_mean", "running_var"), "training"),
+    "cudnn_batch_norm": (("running_mean", "running_var"), "training"),
+    "miopen_batch_norm": (("running_mean", "running_var"), "training"),
+    "instance_norm": (("running_mean", "running_var"), "use_input_stats"),
+}
+# Buffers those ops write, by the name nn modules give them: a sync on them is not hoisted unless
+# declared, since the module may run in training mode anywhere between two calls (also eagerly).
+HIDDEN_WRITTEN_BUFFERS = ("running_mean", "running_var")
+
+
+def _bound_arguments(node: fx.Node) -> Optional[dict]:
+    """``{argument name: value}`` of a call node, or None when its signature is unknown."""
+    t = node.target
+    schemas: list = []
+    if isinstance(t, torch._ops.OpOverload):
+        schemas = [t._schema]
+    elif isinstance(t, torch._ops.OpOverloadPacket):
+        schemas = [getattr(t, o)._schema for o in t.overloads()]
+    elif inspect.isfunction(t):
+        try:
+            return dict(inspect.signature(t).bind(*node.args, **node.kwargs).arguments)
+        except (TypeError, ValueError):
+            return None
+    else:  # a builtin such as torch.batch_norm: the aten op of that name has its signature
+        packet = getattr(torch.ops.aten, _target_name(node).split(".")[0], None)
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            schemas = [getattr(packet, o)._schema for o in packet.overloads()]
+    for schema in schemas:
+        names = [a.name for a in schema.arguments]
+        if len(node.args) <= len(names) and all(k in names for k in node.kwargs):
+            bound = dict(zip(names, node.args))
+            bound.update(node.kwargs)
+            return bound
+    return None
+
+
+def hidden_written_nodes(node: fx.Node) -> list[fx.Node]:
+    """The nodes ``node`` writes in place without bumping their version counter."""
+    if node.op != "call_function":
+        return []
+    spec = _HIDDEN_WRITERS.get(_target_name(node).split(".")[0])
+    if spec is None:
+        return []
+    names, flag = spec
+    bound = _bound_arguments(node)
+    if bound is None:  # cannot tell the arguments apart: any of them may be written
+        return _nodes_in((node.args, node.kwargs))
+    if flag and bound.get(flag) is False:
+        return []
+    return [n for name in names for n in _nodes_in(bound.get(name))]
+
+
 def written_nodes(node: fx.Node) -> list[fx.Node]:
     """The nodes whose memory ``node`` writes (empty when it writes nothing).
 
@@ -201,7 +263,7 @@ def written_nodes(node: fx.Node) -> list[fx.Node]:
     elif isinstance(t, torch._ops.OpOverloadPacket):
         for overload in t.overloads():
             written += _schema_writes(getattr(t, overload)._schema, node)
-    return written
+    return written + hidden_written_nodes(node)
 
 
 def inplace_target(node: fx.Node) -> Optional[fx.Node]:
@@ -298,6 +360,8 @@ def analyze_cone(
             return ConeResult(False, Reason.INFERENCE_TENSOR, f"{name} is an inference tensor")
         if leaf.example.requires_grad and not decl:
             return ConeResult(False, Reason.TRAINABLE_LEAF, f"{name} requires grad")
+        if leaf.role == "buffer" and name.rsplit(".", 1)[-1] in HIDDEN_WRITTEN_BUFFERS and not decl:
+            return ConeResult(False, Reason.HIDDEN_WRITER, f"{name} is a batch-norm running statistic")
         if leaf.role not in ("parameter", "buffer") and not decl:
             speculative = True
         infos.append(LeafInfo(leaf.source, name, leaf.role, decl, inference))
@@ -322,26 +386,98 @@ def analyze_cone(
 
 
 HOISTED_META = "nosync_hoisted_cone"
+HOISTED_LEAF_META = "nosync_hoisted_leaf_of"
 
 
-def mark_hoisted(result: ConeResult) -> None:
+def mark_hoisted(result: ConeResult, owner: Any = None) -> None:
     """Tag the cone's nodes in the traced graph (node meta only) so the backend may drop them
-    once nothing reads them; no other node is ever removed."""
+    once nothing reads them (no other node is ever removed), and its leaves with ``owner`` so the
+    backend can find writes to them later in the graph (:func:`hidden_writes_to_hoisted`)."""
     for n in result.nodes:
         if n.op != "placeholder":
             n.meta[HOISTED_META] = True
+        elif owner is not None:
+            n.meta.setdefault(HOISTED_LEAF_META, []).append(owner)
+
+
+def hidden_writes_to_hoisted(graph: fx.Graph) -> list[tuple[Any, str]]:
+    """``(owner, what)`` for each hoisted leaf that an op of the whole graph writes without bumping
+    its version counter (a batch norm in training mode *after* the sync).
+
+    NOTE: such a write happens after the value was computed for this call, so this call is right;
+    but on the next call the leaf is the same object at the same version, and the memo would
+    answer with the value from before the write.
+    """
+    leaves: dict[int, fx.Node] = {}
+    for n in graph.nodes:
+        if n.op == "placeholder" and n.meta.get(HOISTED_LEAF_META):
+            key = _storage_key(_example(n))
+            if key is not None:
+                leaves[key] = n
+    out: list[tuple[Any, str]] = []
+    if not leaves:
+        return out
+    for n in graph.nodes:
+        for target in hidden_written_nodes(n):
+            leaf = leaves.get(_storage_key(_example(target)))
+            if leaf is not None:
+                what = f"{_target_name(n)} writes {leaf.name} without bumping _version at {_where(n)}"
+                out += [(owner, what) for owner in leaf.meta[HOISTED_LEAF_META]]
+    return out
 
 
 def signature(graph: fx.Graph) -> tuple:
-    """A name-independent description of a graph: (op, target, args-with-node-indices) per node."""
+    """What a graph computes, independent of node names: (op, target, arguments) per node.
+
+    NOTE: targets are compared by identity and constants by type and bits, never by name or
+    ``repr``: ``F.max_pool1d`` and ``F.adaptive_max_pool1d`` are both ``boolean_dispatch.<locals>.fn``,
+    and ``repr`` does not tell ``-0.0`` from ``0.0`` in every container or an int from a float.
+    """
     index: dict[fx.Node, int] = {}
     out = []
     for i, n in enumerate(graph.nodes):
         index[n] = i
-        args = fx.node.map_arg((n.args, n.kwargs), lambda a: ("%", index[a]))
-        target = n.target if isinstance(n.target, str) else getattr(n.target, "__qualname__", repr(n.target))
-        out.append((n.op, target, repr(args)))
+        args = _const_key((n.args, n.kwargs), index)
+        target = n.target if isinstance(n.target, str) else _Ident(n.target)
+        out.append((n.op, target, args))
     return tuple(out)
+
+
+class _Ident:
+    """Hashable by identity; holds the object so that its id is never reused while compared."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Ident) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"<{getattr(self.obj, '__qualname__', type(self.obj).__name__)} at {id(self.obj):#x}>"
+
+
+def _const_key(v: Any, index: dict) -> Any:
+    """A key equal for two argument structures iff they hold the same nodes and the same constants
+    (same type; floats bit for bit)."""
+    t = type(v)
+    if t is fx.Node:
+        return ("%", index[v])
+    if t is float:
+        return (float, struct.pack("<d", v))
+    if t in (bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format):
+        return (t, v)
+    if isinstance(v, (tuple, list)):  # also torch.Size, named tuples, FX's immutable_list
+        return (t, tuple(_const_key(x, index) for x in v))
+    if isinstance(v, dict):
+        return (dict, tuple((k, _const_key(x, index)) for k, x in v.items()))
+    if t is slice:
+        return (slice, _const_key((v.start, v.stop, v.step), index))
+    return _Ident(v)
 
 
 def _autocast_devices() -> list[str]:

@@ -320,12 +320,14 @@ class _GuardGroup:
         self.descriptions: list[str] = []
         self.emitted: set[int] = set()
         self.runner: Optional[Callable[[Any, Any], bool]] = None
+        self.ran = threading.local()  # .ok: the guard passed since the graph last ran (this thread)
 
     def __call__(self, L: Any, G: Any) -> bool:
         runner = self.runner
         if runner is None:
             runner = self.runner = self._fused()
         if runner(L, G):
+            self.ran.ok = True
             return True
         if log.isEnabledFor(logging.DEBUG):
             log.debug("nosync guard failed; hoisted here: %s", "; ".join(self.descriptions))
@@ -359,6 +361,59 @@ class _GuardGroup:
         return create
 
 
+# Note [A guard nobody can drop silently]
+# A caller can drop Dynamo's guards: torch.compile(options={"guard_filter_fn": ...}) (serving
+# engines drop them all), which removes nosync's guard with the rest, and a hoisted branch would
+# then be taken for every later request, silently. The nosync guard of a frame therefore leaves a
+# token each time it passes, and the compiled graph of that frame (wrapped by :func:`require_guard`)
+# takes the token before it runs: a graph that runs twice without its guard having passed in
+# between raises NosyncError instead of serving a hoisted value unchecked. The first run after a
+# compile needs no token: Dynamo runs a fresh graph on the very inputs the values were taken from.
+GUARD_NAME_PREFIX = "__nosync_"
+
+
+def is_nosync_guard(entry: Any) -> bool:
+    """Is this ``guard_filter_fn`` entry (a GuardFilterEntry) nosync's guard?"""
+    return GUARD_NAME_PREFIX in str(getattr(entry, "name", ""))
+
+
+def require_guard(compiled: Callable) -> Callable:
+    """Wrap the graph being compiled so that it refuses to run when its nosync guard was dropped.
+
+    Returns ``compiled`` itself when nothing was hoisted in this frame.
+    """
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        output = InstructionTranslator.current_tx().output
+    except Exception:  # not inside a trace (a backend called directly)
+        return compiled
+    group = output.__dict__.get("_nosync_guard_group")
+    if group is None:
+        return compiled
+    ran = group.ran
+    ran.ok = True
+
+    def run(*args: Any) -> Any:
+        # NOTE: a group whose guards Dynamo rolled back (abandoned speculation) has no checks and
+        # nothing hoisted to protect
+        if not getattr(ran, "ok", False) and group.checks:
+            from .errors import NosyncError
+
+            raise NosyncError(
+                "nosync: a compiled graph ran without its nosync guard, so a hoisted value ("
+                + "; ".join(group.descriptions[:3]) + ") would be used unchecked. A guard_filter_fn "
+                "passed in torch.compile(..., options={'guard_filter_fn': ...}) dropped it (or guard "
+                "evaluation was skipped). Keep nosync's guard in the filter with "
+                "torchsync_pass.keep_nosync_guards(your_filter), or compile without nosync."
+            )
+        ran.ok = False
+        return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+    return run
+
+
 def add_lambda_guard(site: SyncSite, check: Callable[[Any, Any], bool], description: str) -> None:
     """Guard the frame being traced with ``check(L, G) -> bool`` (an epilogue guard).
 
@@ -380,7 +435,7 @@ def _guard_source(site: SyncSite) -> Any:
     from torch._dynamo.source import GlobalSource
 
     # The source only names the guard; the check itself reads its leaves from L and G.
-    return GlobalSource(f"__nosync_{site.code.co_name}_{site.offset}")
+    return GlobalSource(f"{GUARD_NAME_PREFIX}{site.code.co_name}_{site.offset}")
 
 
 def leaf_getter(sources: list[str]) -> Callable[[Any, Any], tuple]:

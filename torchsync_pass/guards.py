@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import dynamo_hooks
-from .cone import ConeResult, analyze_cone, mark_hoisted
+from .cone import ConeResult, analyze_cone, hidden_writes_to_hoisted, mark_hoisted
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
 
 log = logging.getLogger("torchsync_pass")
@@ -94,15 +94,37 @@ def _hoistable(v: Any, depth: int = 0) -> bool:
 # ----------------------------------------------------------------------------------------------
 # What identifies a leaf's contents without reading them. Written once, as expressions over ``t``:
 # _fingerprint, the memo lookup and the generated fast path (_same_call_fn) all use these.
+# An undeclared leaf: ``_version`` raises on an inference tensor, so the guard fails closed.
 _FP_VERSIONED = "({t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype)"
-# declared inference tensors have no _version; the user promised no in-place writes
-_FP_IDENTITY = "({t}.data_ptr(), {t}.shape, {t}.dtype)"
+# A declared leaf, decided per tensor (never per cone: one argument can be an inference tensor on
+# one call and an ordinary one on the next): an inference tensor has no ``_version``, it is checked
+# by identity and metadata only (the user promised no in-place writes); any other by its version.
+_FP_DECLARED = "({t}.is_inference() or {t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype)"
 _fp_versioned = eval("lambda t: " + _FP_VERSIONED.format(t="t"))  # noqa: S307 - constant source
-_fp_identity = eval("lambda t: " + _FP_IDENTITY.format(t="t"))  # noqa: S307 - constant source
+_fp_declared = eval("lambda t: " + _FP_DECLARED.format(t="t"))  # noqa: S307 - constant source
 
 
-def _fingerprint(t: torch.Tensor, identity_only: bool) -> tuple:
-    return _fp_identity(t) if identity_only else _fp_versioned(t)
+def _fingerprint(t: torch.Tensor, declared: bool) -> tuple:
+    return _fp_declared(t) if declared else _fp_versioned(t)
+
+
+def bits_state() -> tuple:
+    """The global state besides the inputs that changes the bits a cone computes.
+
+    A reduction's bits depend on the thread count (a 2M-element float sum differs between 1 and
+    2 threads); matmul precision and reduced-precision reductions change matmuls. Each guard keeps
+    the memo of the state it was compiled under (Dynamo's global-state guard holds these equal for
+    a cache entry), and checks the thread count itself on every call.
+    """
+    matmul = torch.backends.cuda.matmul
+    return (
+        torch.get_num_threads(),
+        torch.get_float32_matmul_precision(),
+        torch.are_deterministic_algorithms_enabled(),
+        matmul.allow_fp16_reduced_precision_reduction,
+        matmul.allow_bf16_reduced_precision_reduction,
+        torch.backends.cudnn.allow_tf32,
+    )
 
 
 @dataclass(eq=False)  # NOTE: never compare entries by value: weakref == compares the tensors
@@ -115,22 +137,22 @@ class _Entry:
 
 
 class ConeMemo:
-    """LRU of leaf identity/version -> value for one cone."""
+    """LRU of leaf identity/version -> value for one cone under one :func:`bits_state`."""
 
-    def __init__(self, identity_only: tuple[bool, ...], size: int = MEMO_SIZE) -> None:
-        self.identity_only = identity_only
+    def __init__(self, declared: tuple[bool, ...], size: int = MEMO_SIZE) -> None:
+        self.declared = declared
         self.size = size
         self.entries: list[_Entry] = []
         self.lock = threading.Lock()
 
     def fingerprints(self, leaves: tuple) -> tuple:
-        return tuple([_fingerprint(t, io) for t, io in zip(leaves, self.identity_only)])
+        return tuple([_fingerprint(t, d) for t, d in zip(leaves, self.declared)])
 
     def lookup(self, leaves: tuple) -> Optional[_Entry]:
         # Hot path (every guard evaluation): plain loops, no generators, no helper calls for the
         # common single-leaf cone.
         entries = self.entries
-        if len(leaves) == 1 and not self.identity_only[0]:
+        if len(leaves) == 1 and not self.declared[0]:
             t = leaves[0]
             fp = None
             for i, e in enumerate(entries):
@@ -216,7 +238,6 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 @dataclass
 class ConeState:
     result: ConeResult
-    memo: ConeMemo
     kind: str
     site: SiteKey
     # Values are counted per cone: one source line can read several tensors (a layer loop asking
@@ -225,8 +246,15 @@ class ConeState:
     last_spec: Optional[Spec] = None
     miss_streak: int = 0  # consecutive calls whose leaves were new (guard re-ran the cone)
     last_miss: Optional[_Entry] = None
+    memos: dict = field(default_factory=dict)  # bits_state() -> ConeMemo
 
-    def evaluate(self, leaves: tuple) -> _Entry:
+    def memo_for(self, bits: tuple) -> ConeMemo:
+        memo = self.memos.get(bits)
+        if memo is None:
+            memo = self.memos[bits] = ConeMemo(tuple(l.declared for l in self.result.leaves))
+        return memo
+
+    def evaluate(self, leaves: tuple, memo: ConeMemo) -> _Entry:
         """Run the cone on these leaves: one real sync. Stores the value in the memo."""
         module = self.result.module
         assert module is not None
@@ -245,14 +273,14 @@ class ConeState:
             if dtype is not None and dtype is not saved:
                 torch.set_default_dtype(saved)
         key = value_key(value)
-        return self.memo.store(leaves, key, value)
+        return memo.store(leaves, key, value)
 
-    def current(self, leaves: tuple) -> tuple[_Entry, bool]:
+    def current(self, leaves: tuple, memo: ConeMemo) -> tuple[_Entry, bool]:
         """(entry, synced): the memoized value, or a fresh one computed with one sync."""
-        e = self.memo.lookup(leaves)
+        e = memo.lookup(leaves)
         if e is not None:
             return e, False
-        return self.evaluate(leaves), True
+        return self.evaluate(leaves, memo), True
 
 
 @dataclass
@@ -382,14 +410,14 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     # step-varying input alive and hide that it changes every step.
     leaves = tuple(result.leaf_examples)
     result.leaf_examples = []
-    fp = result.fingerprint
+    fp = (result.fingerprint, site.kind)  # what the cone computes, and how it is converted
     cone = state.cones.get(fp)
     if cone is None:
-        identity_only = tuple(l.inference for l in result.leaves)
-        cone = ConeState(result, ConeMemo(identity_only), site.kind, state.site)
+        cone = ConeState(result, site.kind, state.site)
         state.cones[fp] = cone
+    bits = bits_state()
     try:
-        entry, synced = cone.current(leaves)
+        entry, synced = cone.current(leaves, cone.memo_for(bits))
     except Exception as e:
         detail = f"{type(e).__name__}: {e}"
         _record(state, Action.REJECTED, Reason.EVAL_FAILED, detail, compile_id=compile_id)
@@ -418,13 +446,26 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     cone.last_spec = spec
 
     srcs = [l.source for l in result.leaves]
-    mark_hoisted(result)
-    check = SiteCheck(state, cone, spec, srcs)
+    mark_hoisted(result, owner=(key, fp))
+    check = SiteCheck(state, cone, spec, srcs, bits)
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r}")
     _record(state, Action.HOISTED, Reason.INVARIANT_CONE,
             "speculated invariant" if result.speculative else "", value,
             tuple(l.name for l in result.leaves), compile_id=compile_id)
     return True, value
+
+
+def demote_hidden_writes(graph: Any, compile_id: Optional[str]) -> None:
+    """Demote every site hoisted from a leaf that the graph writes behind the version counter
+    (unless all its leaves are declared: then the user promised the value does not change)."""
+    for (key, fp), what in hidden_writes_to_hoisted(graph):
+        with _lock:
+            state = _sites.get(key)
+        cone = state.cones.get(fp) if state is not None else None
+        if cone is None or state.demoted is not None or all(l.declared for l in cone.result.leaves):
+            continue
+        state.demoted, state.demoted_detail = Reason.HIDDEN_WRITER, what
+        _record(state, Action.DEMOTED, Reason.HIDDEN_WRITER, what, compile_id=compile_id)
 
 
 _warned_names: set = set()
@@ -506,16 +547,20 @@ MISS_STREAK_DEMOTE = 3
 class SiteCheck:
     """The guard of one cache entry of one site: ``check(L, G) -> bool``, True when unchanged."""
 
-    def __init__(self, state: SiteState, cone: ConeState, spec: Spec, sources: list[str]) -> None:
+    def __init__(self, state: SiteState, cone: ConeState, spec: Spec, sources: list[str], bits: tuple) -> None:
         self.state = state
         self.cone = cone
         self.spec = spec
         self.sources = list(sources)
-        self.identity_only = cone.memo.identity_only
+        self.bits = bits
+        self.memo = cone.memo_for(bits)
+        self.declared = self.memo.declared
         self.getter = dynamo_hooks.leaf_getter(sources)
         self.may_demote = not all(l.declared for l in cone.result.leaves)
 
     def __call__(self, L: Any, G: Any) -> bool:
+        if torch.get_num_threads() != self.bits[0]:
+            return False
         try:
             leaves = self.getter(L, G)
         except Exception:
@@ -525,19 +570,22 @@ class SiteCheck:
 
     def check_leaves(self, leaves: tuple) -> bool:
         state, spec = self.state, self.spec
-        if state.demoted is not None:
-            return False  # the stock entry compiled after demotion serves this call
         compiling = dynamo_hooks.compiling
+        # the stock entry compiled after demotion serves this call; but Dynamo's own check of a
+        # fresh entry (on the trace's inputs, whose value is right) must pass: a site can be
+        # demoted once the whole graph is known (demote_hidden_writes)
+        if state.demoted is not None and not compiling():
+            return False
         c = counters()
         try:
-            e = self.cone.memo.lookup(leaves)
+            e = self.memo.lookup(leaves)
             if e is None:
                 if compiling():  # Dynamo checking a fresh entry on the trace's own inputs
-                    e = self.cone.evaluate(leaves)
+                    e = self.cone.evaluate(leaves, self.memo)
                 else:
                     if _runtime_miss(state, self.cone, self.may_demote):
                         return False
-                    e = self.cone.evaluate(leaves)
+                    e = self.cone.evaluate(leaves, self.memo)
                     self.cone.last_miss = e
                     state.guard_syncs += 1
                     c["guard_syncs"] += 1
@@ -574,14 +622,14 @@ class SiteCheck:
         metadata, every check would answer from its memo exactly as then: answer True at once.
         """
         sources: list[str] = []
-        identity: list[bool] = []
+        declared: list[bool] = []
         plans = []
         for chk in checks:
             idx = []
-            for src, io in zip(chk.sources, chk.identity_only):
+            for src, d in zip(chk.sources, chk.declared):
                 if src not in sources:
                     sources.append(src)
-                    identity.append(io)
+                    declared.append(d)
                 idx.append(sources.index(src))
             plans.append((chk, tuple(idx)))
         getter = dynamo_hooks.leaf_getter(sources)
@@ -589,13 +637,17 @@ class SiteCheck:
         c = counters()
         n = len(checks)
         last: list = [None, None, False]  # weak refs, fingerprint of the last passing call, booked
+        threads = checks[0].bits[0]  # one compile: every check has the same bits_state()
+        get_num_threads = torch.get_num_threads
 
         def fingerprint(leaves: tuple) -> tuple:
-            return tuple([_fingerprint(t, io) for t, io in zip(leaves, identity)])
+            return tuple([_fingerprint(t, d) for t, d in zip(leaves, declared)])
 
-        same_call = _same_call_fn(len(sources), tuple(identity))
+        same_call = _same_call_fn(len(sources), tuple(declared))
 
         def run(L: Any, G: Any) -> bool:
+            if get_num_threads() != threads:
+                return False  # the memo of this entry holds values computed under another count
             try:
                 leaves = getter(L, G)
             except Exception:
@@ -629,24 +681,24 @@ class SiteCheck:
 _SAME_CALL: dict = {}
 
 
-def _same_call_fn(n: int, identity: tuple) -> Callable[[tuple, tuple, tuple], bool]:
+def _same_call_fn(n: int, declared: tuple) -> Callable[[tuple, tuple, tuple], bool]:
     """``same(refs, fps, leaves)``: the leaves are the referenced objects, fingerprints unchanged.
 
     Generated straight-line code for ``n`` leaves (this runs on every call of a compiled step).
     """
-    fn = _SAME_CALL.get(identity)
+    fn = _SAME_CALL.get(declared)
     if fn is not None:
         return fn
     names = [f"t{i}" for i in range(n)]
     lines = [f"def same(refs, fps, leaves):", f"    {', '.join(names)}{',' if n == 1 else ''} = leaves"]
     lines.append("    if not (" + " and ".join(f"refs[{i}]() is t{i}" for i in range(n)) + "):")
     lines.append("        return False")
-    fps = [(_FP_IDENTITY if io else _FP_VERSIONED).format(t=f"t{i}") for i, io in enumerate(identity)]
+    fps = [(_FP_DECLARED if d else _FP_VERSIONED).format(t=f"t{i}") for i, d in enumerate(declared)]
     lines.append("    return fps == (" + ", ".join(fps) + ("," if n == 1 else "") + ")")
     env: dict = {}
     exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
     fn = env["same"]
-    _SAME_CALL[identity] = fn
+    _SAME_CALL[declared] = fn
     return fn
 
 

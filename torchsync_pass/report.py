@@ -52,6 +52,10 @@ class Reason(enum.Enum):
         "a leaf requires grad: optimizers can update it without bumping _version (fused Adam/SGD); "
         "declare it in options['invariant'] to hoist"
     )
+    HIDDEN_WRITER = (
+        "a leaf is written by an op that does not bump _version (batch-norm running statistics "
+        "in training mode); declare it in options['invariant'] to hoist"
+    )
     AUTOCAST = "traced under autocast: the value depends on the autocast state"
     UNSUPPORTED_VALUE = "the value has a dtype or shape the pass does not hoist"
     EVAL_FAILED = "evaluating the cone at trace time failed"

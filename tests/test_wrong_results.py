@@ -1,0 +1,271 @@
+"""Issue 9, "Wrong results": paths on which a hoisted value was served stale or wrong.
+
+Each test reproduces the case of the issue exactly and compares with eager bitwise (codegen="eager").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchsync_pass
+from torchsync_pass import Action, NosyncError, Reason
+from test_core import Compiled, assert_bitwise
+
+
+def decisions(action=None):
+    return [d for d in torchsync_pass.decisions() if action is None or d.action is action]
+
+
+def batches(n=4, shape=(3, 4)):
+    return [torch.randn(*shape, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. BatchNorm running statistics: written in place without bumping _version
+# --------------------------------------------------------------------------------------------
+class BNAfter(nn.Module):
+    """The issue's case: the sync reads the running mean the BN just updated (first call wrong)."""
+
+    def __init__(self, bn=nn.BatchNorm1d):
+        super().__init__()
+        self.bn = bn(4)
+
+    def forward(self, x):
+        y = self.bn(x)
+        return y * self.bn.running_mean.sum().item()
+
+
+class BNBefore(BNAfter):
+    """The sync reads the running stats before the BN updates them (stale on later calls)."""
+
+    def forward(self, x):
+        v = self.bn.running_var.sum().item()
+        return self.bn(x) * v
+
+
+class FunctionalBN(nn.Module):
+    """F.batch_norm / torch.batch_norm / native_batch_norm on buffers not named running_*."""
+
+    def __init__(self, op, after):
+        super().__init__()
+        self.op, self.after = op, after
+        self.register_buffer("stat", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+
+    def bn(self, x):
+        if self.op == "F.batch_norm":
+            return F.batch_norm(x, self.stat, self.var, training=True)
+        if self.op == "torch.batch_norm":
+            return torch.batch_norm(x, None, None, self.stat, self.var, True, 0.1, 1e-5, False)
+        return torch.native_batch_norm(x, None, None, self.stat, self.var, True, 0.1, 1e-5)[0]
+
+    def forward(self, x):
+        if self.after:
+            v = self.stat.sum().item()
+            return self.bn(x) * v
+        y = self.bn(x)
+        return y * self.stat.sum().item()
+
+
+def run_pair(make, xs, **options):
+    model, ref = make(), make()
+    step = Compiled(model, **options)
+    for x in xs:
+        assert_bitwise(step(x), ref(x))
+    for (name, a), b in zip(model.named_buffers(), ref.buffers()):
+        assert torch.equal(a, b), name
+    return step
+
+
+@pytest.mark.parametrize("make, reason", [
+    pytest.param(BNAfter, Reason.HIDDEN_WRITER, id="BatchNorm1d-sync-after"),
+    pytest.param(BNBefore, Reason.HIDDEN_WRITER, id="BatchNorm1d-sync-before"),
+    pytest.param(lambda: BNAfter(nn.BatchNorm2d), Reason.HIDDEN_WRITER, id="BatchNorm2d-sync-after"),
+])
+def test_batchnorm_running_stats_are_never_hoisted_stale(make, reason):
+    xs = batches(4, (3, 4, 2, 2)) if "2d" in repr(make().bn) else batches()
+    run_pair(make, xs)
+    assert not decisions(Action.HOISTED)
+    assert {d.reason for d in decisions(Action.REJECTED)} == {reason}
+
+
+@pytest.mark.parametrize("op", ["F.batch_norm", "torch.batch_norm", "native_batch_norm"])
+def test_batch_norm_before_the_sync_is_a_writer_of_its_running_stats(op):
+    """The cone's write analysis sees the BN op as a writer of the buffers (first call right)."""
+    run_pair(lambda: FunctionalBN(op, after=False), batches())
+    assert not decisions(Action.HOISTED)
+    rejected = decisions(Action.REJECTED)
+    assert rejected[0].reason is Reason.MUTATION and "writes to input" in rejected[0].detail
+
+
+@pytest.mark.parametrize("op", ["F.batch_norm", "torch.batch_norm", "native_batch_norm"])
+def test_batch_norm_after_the_sync_demotes_the_site(op):
+    """A BN later in the same graph writes the leaf behind the version counter: the hoisted value is
+    right for the call it was traced on, and the site is demoted before the next call."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    stock = CompileCounterWithBackend("eager")
+    f = torch.compile(FunctionalBN(op, after=True), backend=stock)
+    for x in batches():
+        f(x)
+    torch._dynamo.reset()
+    step = run_pair(lambda: FunctionalBN(op, after=True), batches())
+    demoted = decisions(Action.DEMOTED)
+    assert [d.reason for d in demoted] == [Reason.HIDDEN_WRITER]
+    assert step.graphs == stock.frame_count + 1  # the hoisted graph, then as stock
+
+
+def test_batchnorm_in_eval_mode_is_not_a_writer():
+    """Eval mode: the running stats are read only; a sync on the BN output is still hoisted."""
+
+    class EvalBN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4).eval()
+            self.register_buffer("scale", torch.tensor(2.0))
+
+        def forward(self, x):
+            y = self.bn(x)
+            return y * self.scale.item()
+
+    run_pair(EvalBN, batches())
+    assert [d.reason for d in decisions(Action.HOISTED)] == [Reason.INVARIANT_CONE]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Cone state keyed by what it computes
+# --------------------------------------------------------------------------------------------
+class Pool(nn.Module):
+    def __init__(self, fn, conv=float):
+        super().__init__()
+        self.fn, self.conv = fn, conv
+
+    def forward(self, x, t):
+        return x * self.conv(self.fn(t, 2).sum())
+
+
+class Convert(nn.Module):
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x, t):
+        return x * self.conv(t)
+
+
+@pytest.mark.parametrize("first, second, t", [
+    pytest.param(Pool(F.max_pool1d), Pool(F.adaptive_max_pool1d), torch.tensor([[1.0, 2.0, 3.0]]),
+                 id="max_pool1d-vs-adaptive_max_pool1d"),
+    pytest.param(Convert(int), Convert(float), torch.tensor(2.5), id="int-vs-float"),
+    pytest.param(Convert(float), Convert(int), torch.tensor(2.5), id="float-vs-int"),
+])
+def test_two_instances_of_one_class_do_not_share_a_cone(first, second, t):
+    """Both pool functions are ``boolean_dispatch.<locals>.fn``; both conversions sit on one line."""
+    x = torch.ones(2)
+    a, b = Compiled(first), Compiled(second)
+    for _ in range(2):
+        assert_bitwise(a(x, t), first(x, t))
+        assert_bitwise(b(x, t), second(x, t))
+    assert len(decisions(Action.HOISTED)) == 2
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Identity-only memo belongs to an inference-tensor leaf, never to a cone
+# --------------------------------------------------------------------------------------------
+def scaled(x, tt):
+    return x * tt.sum().item()
+
+
+def test_inference_then_ordinary_tensor_at_one_declared_argument():
+    step = Compiled(scaled, invariant=["tt"])
+    x = torch.ones(2)
+    with torch.inference_mode():
+        ti = torch.tensor([1, 2])
+    assert_bitwise(step(x, ti), scaled(x, ti))
+    t = torch.tensor([1, 2])
+    assert_bitwise(step(x, t), scaled(x, t))
+    t.add_(1)
+    assert_bitwise(step(x, t), scaled(x, t))  # 5, not 3
+    t.mul_(10)
+    assert_bitwise(step(x, t), scaled(x, t))  # 50
+    assert_bitwise(step(x, ti), scaled(x, ti))  # the inference tensor, by identity, again
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Thread count: a reduction's bits depend on it
+# --------------------------------------------------------------------------------------------
+def big_sum(x, w):
+    return x * w.sum().item()
+
+
+@pytest.fixture
+def threads():
+    saved = torch.get_num_threads()
+    yield
+    torch.set_num_threads(saved)
+
+
+def test_value_memoized_under_two_threads_is_not_served_under_one(threads):
+    w = torch.randn(2_000_000, generator=torch.Generator().manual_seed(1))
+    sums = {}
+    for n in (2, 1):
+        torch.set_num_threads(n)
+        sums[n] = w.sum().item()
+    if sums[1] == sums[2]:
+        pytest.skip("this build sums 2M floats to the same bits with 1 and 2 threads")
+    step = Compiled(big_sum)
+    x = torch.ones(2)
+    for n in (2, 1, 2, 1):
+        torch.set_num_threads(n)
+        assert_bitwise(step(x, w), big_sum(x, w))
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Guards dropped by the caller
+# --------------------------------------------------------------------------------------------
+def branch(x, flag):
+    if flag.any():
+        return x + 1
+    return x - 1
+
+
+def drop_all(entries):
+    return [False] * len(entries)
+
+
+def test_guard_filter_that_drops_the_nosync_guard_is_refused():
+    """vLLM's way to drop every Dynamo guard would take the hoisted branch for the next request."""
+    step = torch.compile(branch, backend="nosync", options={"codegen": "eager", "guard_filter_fn": drop_all})
+    x = torch.zeros(2)
+    assert_bitwise(step(x, torch.tensor([True])), branch(x, torch.tensor([True])))
+    with pytest.raises(NosyncError, match="guard_filter_fn"):
+        step(x, torch.tensor([False]))
+
+
+def test_keep_nosync_guards_keeps_the_check_under_a_dropping_filter():
+    keep = getattr(torchsync_pass, "keep_nosync_guards")
+    step = torch.compile(branch, backend="nosync",
+                         options={"codegen": "eager", "guard_filter_fn": keep(drop_all)})
+    x = torch.zeros(2)
+    for v in (True, False, True, False):
+        flag = torch.tensor([v])
+        assert_bitwise(step(x, flag), branch(x, flag))
+
+
+def test_skip_guard_eval_unsafe_keeps_the_stock_behaviour():
+    """Warmed on both requests, the nosync guard still picks the entry; a new answer under the
+    stance is refused by Dynamo (no recompiles allowed), not served stale."""
+    step = torch.compile(branch, backend="nosync", options={"codegen": "eager"})
+    x = torch.zeros(2)
+    req_a, req_b = torch.tensor([True]), torch.tensor([False])  # two live requests
+    step(x, req_a)
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        with pytest.raises(RuntimeError, match="skip_guard_eval_unsafe"):
+            step(x, req_b)
+    step(x, req_b)
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        for flag in (req_a, req_b, req_b, req_a, torch.tensor([False]), torch.tensor([True])):
+            assert_bitwise(step(x, flag), branch(x, flag))
