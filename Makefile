@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo bench explain test-compat clean
+.PHONY: venv test torture demo bench explain test-compat clean
 
 # The stamp holds the torch pin the venv was built with; another TORCH_PIN reinstalls.
 ifneq ($(shell cat $(STAMP) 2>/dev/null),$(TORCH_PIN))
@@ -24,6 +24,12 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q tests
+
+# The randomized torture at full size (CI runs it with a few hundred calls of the mixed cases):
+# >= 5,000 calls of issue 9's wrong-result paths, each compared bitwise with eager.
+TORTURE_CALLS ?= 5000
+torture: $(STAMP)
+	TORCHSYNC_TORTURE_CALLS=$(TORTURE_CALLS) $(VPY) -m pytest -q tests/test_torture.py -m "not inductor"
 
 demo: $(STAMP)
 	$(VPY) -m torchsync_pass.explain examples/diffusion_loop.py

@@ -454,3 +454,127 @@ def test_inductor_sequence_bitwise_equal_to_stock_inductor_on_hoisted_twin():
     assert sum(counters["graph_break"].values()) == 0
     assert {d.kind for d in torchsync_pass.decisions() if d.action is Action.HOISTED} == {"bool", "int"}
     assert counters["nosync"]["recompiles"] == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 9: the paths that served wrong values (BN training steps, two instances of one class with
+# different callables, inference/ordinary tensors at one argument, thread-count switches, a
+# guard filter), mixed at random. CI runs a few hundred calls; `make torture` runs >= 5,000
+# (TORCHSYNC_TORTURE_CALLS).
+# --------------------------------------------------------------------------------------------
+import copy
+import os
+
+import torch.nn.functional as F
+
+from test_wrong_results import BNBefore, Convert, Pool, big_sum, branch, drop_all, scaled
+
+SOUNDNESS_CALLS = int(os.environ.get("TORCHSYNC_TORTURE_CALLS", "300"))
+
+
+class BNSteps(BNBefore):
+    """A training step: syncs on running stats before and after the BN, and a hoistable flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x, flag):
+        v = self.bn.running_var.sum().item()
+        y = self.bn(x)
+        if flag.any():
+            y = y + 1
+        return y * v * self.bn.running_mean.sum().item() * self.scale.item()
+
+
+class SoundnessMix:
+    """Each case: a compiled step, its eager reference, and a random event before each call."""
+
+    def __init__(self, rng):
+        self.rng = rng
+        self.bn, self.bn_ref = BNSteps(), None
+        self.bn_ref = copy.deepcopy(self.bn)
+        self.bn_step = Compiled(self.bn)
+        self.flags = [torch.tensor([True, False]), torch.tensor([False, False])]
+        self.twins = [Pool(F.max_pool1d), Pool(F.adaptive_max_pool1d), Convert(int), Convert(float)]
+        self.twin_steps = [Compiled(m) for m in self.twins]
+        self.pool_in = [torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[4.0, -1.0, 0.5, 2.0]])]
+        self.conv_in = [torch.tensor(2.5), torch.tensor(-1.75)]
+        self.inf_step = Compiled(scaled, invariant=["tt"], max_specializations=MAX_SPECS)
+        with torch.inference_mode():
+            self.inference = [torch.tensor([1, 2]), torch.tensor([3, 4])]
+        self.ordinary = [torch.tensor([1, 2]), torch.tensor([5, 0])]
+        self.w = torch.randn(2_000_000, generator=torch.Generator().manual_seed(1))
+        self.sum_step = Compiled(big_sum)
+        self.kept = torch.compile(branch, backend="nosync", options={
+            "codegen": "eager", "guard_filter_fn": torchsync_pass.keep_nosync_guards(drop_all)})
+        self.req = [torch.tensor([True]), torch.tensor([False])]
+        self.x = torch.ones(2)
+        self.cases = [self.bn_case, self.twin_case, self.inference_case, self.threads_case, self.filter_case]
+
+    def bn_case(self):
+        e = self.rng.randrange(8)
+        if e == 0:  # switch train/eval in both
+            mode = self.rng.random() < 0.7
+            self.bn.train(mode)
+            self.bn_ref.train(mode)
+        elif e == 1:  # replace a buffer (both): a new object
+            v = self.rng.choice([0.5, -0.0, 2.0])
+            self.bn.scale, self.bn_ref.scale = torch.tensor(v), torch.tensor(v)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(self.rng.randrange(50)))
+        flag = self.flags[self.rng.randrange(2)]
+        with torch.no_grad():
+            return self.bn_step(x, flag), self.bn_ref(x, flag)
+
+    def twin_case(self):
+        i = self.rng.randrange(4)
+        inputs = self.pool_in if i < 2 else self.conv_in
+        k = self.rng.randrange(2)
+        if self.rng.random() < 0.1:
+            inputs[k] = mutate(self.rng, inputs[k], [1.0, 2.5, -3.0])
+        return self.twin_steps[i](self.x, inputs[k]), self.twins[i](self.x, inputs[k])
+
+    def inference_case(self):
+        if self.rng.random() < 0.5:
+            tt = self.inference[self.rng.randrange(2)]
+        else:
+            k = self.rng.randrange(2)
+            self.ordinary[k] = mutate(self.rng, self.ordinary[k], [0, 1, 2, 7])
+            tt = self.ordinary[k]
+        return self.inf_step(self.x, tt), scaled(self.x, tt)
+
+    def threads_case(self):
+        torch.set_num_threads(self.rng.choice([1, 2]))
+        return self.sum_step(self.x, self.w), big_sum(self.x, self.w)
+
+    def filter_case(self):
+        flag = self.req[self.rng.randrange(2)]
+        return self.kept(self.x, flag), branch(self.x, flag)
+
+    def run(self, tally, calls):
+        saved = torch.get_num_threads()
+        try:
+            for _ in range(calls):
+                tally.check(*self.rng.choice(self.cases)())
+        finally:
+            torch.set_num_threads(saved)
+        for name, a in self.bn.named_buffers():  # the BN updates themselves are eager's
+            assert torch.equal(a, dict(self.bn_ref.named_buffers())[name]), name
+
+
+def test_soundness_cases_never_wrong():
+    """Issue 9's wrong-result paths mixed at random: every call bitwise equal to eager."""
+    tally = Tally()
+    mix = SoundnessMix(random.Random(9))
+    mix.run(tally, SOUNDNESS_CALLS)
+    assert tally.calls == SOUNDNESS_CALLS
+    assert_bounded()
+    hoisted = [d for d in torchsync_pass.decisions() if d.action is Action.HOISTED]
+    assert any("flag.any()" in d.source for d in hoisted)  # the hoistable syncs still are
+    assert not any("running_" in leaf for d in hoisted for leaf in d.leaves)  # running stats never
+    # the dropping filter without keep_nosync_guards is refused, never served unchecked
+    torch._dynamo.reset()  # a fresh cache for branch's code object
+    dropped = torch.compile(branch, backend="nosync", options={"codegen": "eager", "guard_filter_fn": drop_all})
+    assert_bitwise(dropped(mix.x, mix.req[0]), branch(mix.x, mix.req[0]))
+    with pytest.raises(torchsync_pass.NosyncError, match="guard_filter_fn"):
+        dropped(mix.x, mix.req[1])

@@ -5,6 +5,8 @@ Each test reproduces the case of the issue exactly and compares with eager bitwi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -236,19 +238,32 @@ def drop_all(entries):
     return [False] * len(entries)
 
 
-def test_guard_filter_that_drops_the_nosync_guard_is_refused():
-    """vLLM's way to drop every Dynamo guard would take the hoisted branch for the next request."""
-    step = torch.compile(branch, backend="nosync", options={"codegen": "eager", "guard_filter_fn": drop_all})
+FILTERS = [
+    pytest.param(drop_all, id="drop-all"),  # vLLM's way to drop every Dynamo guard
+    pytest.param(torch.compiler.skip_all_guards_unsafe, id="skip_all_guards_unsafe"),
+    pytest.param(torch.compiler.keep_tensor_guards_unsafe, id="keep_tensor_guards_unsafe"),
+    pytest.param(torch.compiler.skip_guard_on_globals_unsafe, id="skip_guard_on_globals_unsafe"),
+]
+
+
+def filtered(guard_filter_fn):
+    return torch.compile(branch, backend="nosync",
+                         options={"codegen": "eager", "guard_filter_fn": guard_filter_fn})
+
+
+@pytest.mark.parametrize("guard_filter_fn", FILTERS)
+def test_guard_filter_that_drops_the_nosync_guard_is_refused(guard_filter_fn):
+    """Without the guard the branch hoisted for the first request is taken for the next one."""
+    step = filtered(guard_filter_fn)
     x = torch.zeros(2)
     assert_bitwise(step(x, torch.tensor([True])), branch(x, torch.tensor([True])))
     with pytest.raises(NosyncError, match="guard_filter_fn"):
         step(x, torch.tensor([False]))
 
 
-def test_keep_nosync_guards_keeps_the_check_under_a_dropping_filter():
-    keep = getattr(torchsync_pass, "keep_nosync_guards")
-    step = torch.compile(branch, backend="nosync",
-                         options={"codegen": "eager", "guard_filter_fn": keep(drop_all)})
+@pytest.mark.parametrize("guard_filter_fn", FILTERS)
+def test_keep_nosync_guards_keeps_the_check_under_a_dropping_filter(guard_filter_fn):
+    step = filtered(getattr(torchsync_pass, "keep_nosync_guards")(guard_filter_fn))
     x = torch.zeros(2)
     for v in (True, False, True, False):
         flag = torch.tensor([v])
@@ -269,3 +284,54 @@ def test_skip_guard_eval_unsafe_keeps_the_stock_behaviour():
     with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
         for flag in (req_a, req_b, req_b, req_a, torch.tensor([False]), torch.tensor([True])):
             assert_bitwise(step(x, flag), branch(x, flag))
+
+
+# --------------------------------------------------------------------------------------------
+# Limits stated in README "Guarantees and limits": pinned here so the text stays exact
+# --------------------------------------------------------------------------------------------
+def copysign_step(x, s):
+    v = float(s)
+    return x + math.copysign(1.0, v)
+
+
+def test_negative_zero_after_demotion_is_exactly_stock():
+    """After demotion the float goes to stock Dynamo, whose guards on a float (``==``, ``<``) do not
+    see the sign of zero: nosync then gives, call for call, what stock torch.compile gives."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    values = [0.5, 1.5, 2.5, 3.5, -0.0, 0.0, -0.0, 0.0]
+    x = torch.ones(2)
+    stock = torch.compile(copysign_step, backend=CompileCounterWithBackend("eager"))
+    want = [stock(x, torch.tensor(v)) for v in values]
+    torch._dynamo.reset()
+    step = Compiled(copysign_step)
+    got = [step(x, torch.tensor(v)) for v in values]
+    assert [d.reason for d in decisions(Action.DEMOTED)] == [Reason.LEAVES_CHANGE]
+    for g, w in zip(got, want):
+        assert_bitwise(g, w)
+    eager = [copysign_step(x, torch.tensor(v)) for v in values]
+    assert any(not torch.equal(g, e) for g, e in zip(got, eager))  # the limit is real (stock too)
+
+
+TABLE = torch.arange(20.0).reshape(10, 2)
+
+
+def unrolled(x, tokens):
+    for i in range(4):
+        x = x + TABLE[tokens[i].item()]
+    return x
+
+
+def test_unrolled_item_loop_is_demoted_by_the_recompile_budget():
+    """Each request's tokens are new values of one unrolled trace: the site is demoted when its
+    frame has used half of recompile_limit, not after max_specializations values."""
+    step = Compiled(unrolled)
+    x = torch.zeros(2)
+    budget = torch._dynamo.config.recompile_limit // 2
+    requests = [torch.tensor([k % 10, (k + 1) % 10, (k + 3) % 10, (k + 5) % 10]) for k in range(budget + 2)]
+    for k, tokens in enumerate(requests):  # live requests, one after the other, 3 steps each
+        for _ in range(3):
+            assert_bitwise(step(x, tokens), unrolled(x, tokens))
+        demoted = decisions(Action.DEMOTED)
+        assert bool(demoted) == (k >= budget), (k, demoted)
+    assert {d.reason for d in decisions(Action.DEMOTED)} == {Reason.RECOMPILE_BUDGET}
