@@ -195,22 +195,16 @@ HIDDEN_WRITTEN_BUFFERS = ("running_mean", "running_var")
 
 def _bound_arguments(node: fx.Node) -> Optional[dict]:
     """``{argument name: value}`` of a call node, or None when its signature is unknown."""
+    from .dynamo_hooks import op_schemas
+
     t = node.target
-    schemas: list = []
-    if isinstance(t, torch._ops.OpOverload):
-        schemas = [t._schema]
-    elif isinstance(t, torch._ops.OpOverloadPacket):
-        schemas = [getattr(t, o)._schema for o in t.overloads()]
-    elif inspect.isfunction(t):
+    schemas = op_schemas(t, _target_name(node).split(".")[0])
+    if schemas is None and inspect.isfunction(t):
         try:
             return dict(inspect.signature(t).bind(*node.args, **node.kwargs).arguments)
         except (TypeError, ValueError):
             return None
-    else:  # a builtin such as torch.batch_norm: the aten op of that name has its signature
-        packet = getattr(torch.ops.aten, _target_name(node).split(".")[0], None)
-        if isinstance(packet, torch._ops.OpOverloadPacket):
-            schemas = [getattr(packet, o)._schema for o in packet.overloads()]
-    for schema in schemas:
+    for schema in schemas or ():
         names = [a.name for a in schema.arguments]
         if len(node.args) <= len(names) and all(k in names for k in node.kwargs):
             bound = dict(zip(names, node.args))
