@@ -7,6 +7,9 @@ For each example loop (diffusion tiny and large, LLM decode, speech prefill) and
     hoisted-inductor  torch.compile(hand-hoisted model, "inductor")      (invariants as Python constants)
     nosync            torch.compile(model, backend="nosync")             (codegen="inductor")
     nosync-eager      torch.compile(model, backend="nosync", options={"codegen": "eager"})
+                      (request-invariant tensors cached across calls)
+    nosync-eager-nocache  the same with options={"invariant_cache_bytes": 0} (no caching)
+    hoisted-eager     torch.compile(hand-hoisted model, "eager")         (reference of nosync-eager)
     cudagraphs        nosync with options={"cudagraphs": True}           (CUDA only)
 
 it measures, after a warm-up request: the per-step time (each repeat is one whole request of
@@ -56,7 +59,8 @@ TARGET_NOSYNC_VS_HOISTED = 1.2  # nosync per-step median at most this times the 
 TARGET_NOSYNC_VS_INDUCTOR = 0.6  # ... and at most this times stock Inductor (tiny diffusion step)
 TARGET_GUARD_US_PER_SITE = 3.0  # guard cost per hoisted site on a hit
 
-VARIANTS = ("eager", "inductor", "hoisted-inductor", "nosync", "nosync-eager", "cudagraphs")
+VARIANTS = ("eager", "inductor", "hoisted-inductor", "nosync", "nosync-eager", "cudagraphs",
+            "hoisted-eager", "nosync-eager-nocache")
 DEFAULT_VARIANTS = VARIANTS
 
 # --------------------------------------------------------------------------------------------
@@ -338,11 +342,11 @@ def isolate(model: torch.nn.Module) -> torch.nn.Module:
 
 def build_variant(ex: Example, variant: str, device: torch.device):
     """(step, run(step, request, steps) -> output) for one variant; ValueError when it does not apply."""
-    if variant == "hoisted-inductor":
+    if variant in ("hoisted-inductor", "hoisted-eager"):
         if not ex.hoisted:
             raise ValueError("no hand-hoisted version of this example")
         model = isolate(ex.make_hoisted_model().to(device))
-        step = torch.compile(model, backend="inductor")
+        step = torch.compile(model, backend=variant.split("-")[1])
         return step, lambda s, req, n: ex.loop_hoisted(s, model, req, n)
     model = isolate(ex.make_model().to(device))
     if variant == "eager":
@@ -353,6 +357,8 @@ def build_variant(ex: Example, variant: str, device: torch.device):
         step = torch.compile(model, backend="nosync", options={"codegen": "inductor"})
     elif variant == "nosync-eager":
         step = torch.compile(model, backend="nosync", options={"codegen": "eager"})
+    elif variant == "nosync-eager-nocache":
+        step = torch.compile(model, backend="nosync", options={"codegen": "eager", "invariant_cache_bytes": 0})
     elif variant == "cudagraphs":
         if device.type != "cuda":
             raise ValueError("cudagraphs needs CUDA")
@@ -607,6 +613,7 @@ def ratio(results: list[Result], example: str, num: str, den: str) -> float | No
 COLUMNS = (
     ("example", "example"), ("variant", "variant"), ("median_us", "us/step"), ("p10_us", "p10"),
     ("p90_us", "p90"), ("vs_inductor", "x inductor"), ("vs_hoisted", "x hoisted"),
+    ("vs_hoisted_eager", "x hoisted-eager"),
     ("syncs_per_step", "syncs/step"), ("syncs_per_request", "syncs/req"), ("graphs", "graphs"),
     ("graph_breaks", "breaks"), ("recompiles", "recompiles"), ("first_call_s", "1st call s"),
     ("bitwise_eager", "=eager"), ("bitwise_inductor", "=inductor"), ("bitwise_hoisted", "=hoisted"),
@@ -619,6 +626,7 @@ def table_rows(results: list[Result]) -> list[dict[str, Any]]:
         d = dataclasses.asdict(r)
         d["vs_inductor"] = ratio(results, r.example, r.variant, "inductor")
         d["vs_hoisted"] = ratio(results, r.example, r.variant, "hoisted-inductor")
+        d["vs_hoisted_eager"] = ratio(results, r.example, r.variant, "hoisted-eager")
         rows.append(d)
     return rows
 
@@ -627,7 +635,7 @@ def format_table(rows: list[dict[str, Any]], with_cuda: bool = False) -> str:
     """Markdown table of ``table_rows(...)`` (also what the JSON file holds under "results")."""
     cols = list(COLUMNS)
     if with_cuda:
-        cols.insert(9, ("stream_syncs_per_step", "streamSync/step"))
+        cols.insert(10, ("stream_syncs_per_step", "streamSync/step"))
     lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
     for d in rows:
         if d["error"]:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import cone, dynamo_hooks, guards
+from .invariant import DEFAULT_CACHE_BYTES, cache_invariant
 from .errors import NosyncError, NosyncOptionsError
 from .report import DECISIONS, Action
 
@@ -42,6 +43,7 @@ class Options:
     max_specializations: int = 4
     strict: bool = False
     cudagraphs: bool = False
+    invariant_cache_bytes: int = DEFAULT_CACHE_BYTES
 
     @classmethod
     def from_dict(cls, options: Optional[dict]) -> "Options":
@@ -89,6 +91,10 @@ def _check(name: str, value: Any) -> Any:
     if name == "max_specializations":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad("an int >= 1")
+        return value
+    if name == "invariant_cache_bytes":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise bad("an int >= 0 (bytes; 0 turns invariant caching off)")
         return value
     raise AssertionError(name)
 
@@ -254,7 +260,7 @@ def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
             from torch._dynamo.backends.registry import lookup_backend
 
             return lookup_backend("cudagraphs")(gm, example_inputs)
-        return gm.forward
+        return cache_invariant(gm, opts).fn
     from torch._inductor.compile_fx import compile_fx
 
     patches: dict[str, Any] = {}

@@ -189,6 +189,11 @@ def _leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
     return Leaf(node=node, source=src, example=example, role=_role(src, example))
 
 
+def leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
+    """A placeholder of a graph handed to the backend as a Leaf (None without a guardable source)."""
+    return _leaf_of(node)
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 

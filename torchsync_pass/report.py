@@ -34,6 +34,8 @@ class Action(enum.Enum):
     HOISTED = "hoisted"
     REJECTED = "rejected"
     DEMOTED = "demoted"
+    CACHED = "cached"  # a request-invariant tensor computed once per request (invariant.py)
+    NOT_CACHED = "not cached"
 
 
 class Reason(enum.Enum):
@@ -65,6 +67,9 @@ class Reason(enum.Enum):
     TOO_MANY_VALUES = "the value took more distinct values than max_specializations"
     LEAVES_CHANGE = "its leaves change identity on most calls"
     RECOMPILE_BUDGET = "its frame used up the recompile budget; compiled the stock way from now on"
+    # CACHED / NOT_CACHED (tensors, not syncs)
+    INVARIANT_TENSOR = "computed only from request-invariant inputs through pure ops: once per request"
+    CACHE_BYTES = "does not fit in options['invariant_cache_bytes']: recomputed every step"
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class Decision:
     value: str = ""  # repr of the hoisted value, when hoisted
     leaves: tuple[str, ...] = ()  # user names of the cone leaves
     compile_id: str = ""  # Dynamo's compile id of the frame being traced ("0/1", ...)
+    nbytes: int = 0  # bytes of a cached (or too large) invariant tensor
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

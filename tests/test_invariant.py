@@ -1,0 +1,284 @@
+"""Request-invariant tensor work cached across calls (issue 14, torchsync_pass/invariant.py).
+
+Every test runs codegen="eager" and compares each call bitwise with eager; "runs once per request"
+is counted with the profiler (the aten ops of the invariant subgraph executed per call).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import torchsync_pass
+from torchsync_pass import Action, NosyncBackend, Reason
+from diffusion_loop import make_model, make_request
+from test_core import assert_bitwise
+
+EAGER = {"codegen": "eager"}
+
+
+def op_count(fn, *args, op: str):
+    """(result, how many times aten ``op`` ran in ``fn(*args)``), measured with the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn(*args)
+    return out, sum(e.count for e in prof.key_averages() if e.key == op)
+
+
+def cached_decisions(action: Action = Action.CACHED) -> list:
+    return [d for d in torchsync_pass.decisions() if d.action is action]
+
+
+class Masked(nn.Module):
+    """A buffer-derived mask (cumsum: the invariant work) added to the step-varying input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(64.0).reshape(8, 8) / 7.0)
+
+    def forward(self, x):
+        mask = (self.table.cumsum(0) > 3.0).float() * 0.5
+        return x * mask + x.sin()
+
+
+def new_request(m: nn.Module) -> None:
+    """Write the module's table in place (same values): the next call is a new request."""
+    with torch.no_grad():
+        m.table.mul_(1.0)
+
+
+def compiled(m_or_fn, options: dict, *args):
+    """Compile and make the first call (tracing runs the ops too, so it is not counted)."""
+    f = torch.compile(m_or_fn, backend=NosyncBackend(options))
+    torch.manual_seed(0)
+    out = f(*args)
+    torch.manual_seed(0)
+    assert_bitwise(out, m_or_fn(*args))
+    if isinstance(getattr(m_or_fn, "table", None), torch.Tensor):
+        new_request(m_or_fn)
+    return f
+
+
+def run_both(compiled, eager, *args):
+    """One call of each, compared bitwise; returns the number of cumsums the compiled call ran."""
+    out, n = op_count(compiled, *args, op="aten::cumsum")
+    assert_bitwise(out, eager(*args))
+    return n
+
+
+def test_invariant_subgraph_runs_once_per_request_bitwise():
+    m = Masked()
+    x = torch.randn(8, 8)
+    stock = compiled(m, {**EAGER, "invariant_cache_bytes": 0}, x)
+    assert [run_both(stock, m, x) for _ in range(4)] == [1, 1, 1, 1]  # before: every step
+    torch._dynamo.reset()
+    counters.clear()
+    f = compiled(m, EAGER, x)
+    assert [run_both(f, m, x) for _ in range(4)] == [1, 0, 0, 0]  # after: once per request
+    assert counters["nosync"]["invariant_computes"] == 2  # the first call's request, this one
+    assert counters["nosync"]["invariant_hits"] == 3
+    (d,) = cached_decisions()
+    assert d.reason is Reason.INVARIANT_TENSOR and d.kind == "tensor"
+    assert d.nbytes == 8 * 8 * 4 and "256 bytes" in d.detail
+    assert d.leaves == ("self.table",) and "cumsum" in d.source
+
+
+def test_leaf_written_in_place_mid_request_recomputes():
+    m = Masked()
+    x = torch.randn(8, 8)
+    f = compiled(m, EAGER, x)
+    assert [run_both(f, m, x) for _ in range(2)] == [1, 0]
+    with torch.no_grad():
+        m.table[0, 0] = 100.0  # bumps _version: the cached mask is stale
+    assert [run_both(f, m, x) for _ in range(2)] == [1, 0]
+    m.table = torch.full((8, 8), 2.0)  # a new object
+    assert [run_both(f, m, x) for _ in range(2)] == [1, 0]
+    assert counters["nosync"]["invariant_computes"] == 4
+
+
+def test_interleaved_requests_keep_their_own_cached_tensors():
+    def step(x, tokens):
+        emb = (tokens.float().cumsum(0) * 0.25).exp()
+        return x + emb
+
+    x = torch.randn(16)
+    f = compiled(step, {**EAGER, "invariant": ["tokens"]}, x, torch.zeros(16, dtype=torch.long))
+    a, b = torch.arange(16), torch.arange(16).flip(0)
+    seen = []
+    for tokens in (a, b, a, b, a):
+        seen.append(run_both(f, step, x, tokens))
+    assert seen == [1, 1, 0, 0, 0]
+    assert counters["nosync"]["invariant_computes"] == 3
+    assert counters["nosync"]["invariant_hits"] == 3
+
+
+def test_undeclared_inputs_are_not_cached():
+    def step(x, tokens):
+        return x + tokens.float().cumsum(0)
+
+    x, tokens = torch.randn(16), torch.arange(16)
+    f = compiled(step, EAGER, x, tokens)
+    assert [run_both(f, step, x, tokens) for _ in range(2)] == [1, 1]
+    assert cached_decisions() == []
+
+
+def test_byte_limit_reached_recomputes_and_says_so():
+    m = Masked()
+    x = torch.randn(8, 8)
+    f = compiled(m, {**EAGER, "invariant_cache_bytes": 100}, x)
+    assert [run_both(f, m, x) for _ in range(3)] == [1, 1, 1]
+    (d,) = cached_decisions(Action.NOT_CACHED)
+    assert d.reason is Reason.CACHE_BYTES and d.nbytes == 256
+    assert cached_decisions() == []
+    assert counters["nosync"]["invariant_computes"] == 0
+
+
+def test_memo_holds_as_many_requests_as_the_byte_limit_allows():
+    def step(x, tokens):
+        return x + tokens.float().cumsum(0)  # 64 bytes cached per request
+
+    x = torch.randn(16)
+    f = compiled(step, {**EAGER, "invariant": ["tokens"], "invariant_cache_bytes": 64}, x,
+                 torch.zeros(16, dtype=torch.long))
+    a, b = torch.arange(16), torch.arange(16).flip(0)
+    # One request fits: interleaving evicts, and each call recomputes (still bitwise).
+    assert [run_both(f, step, x, t) for t in (a, b, a)] == [1, 1, 1]
+    assert len(cached_decisions()) == 1
+
+
+class Table16(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(16.0))
+
+
+class WritesItsMask(Table16):
+    def forward(self, x):
+        base = self.table.cumsum(0)
+        mask = base * 2.0
+        mask.add_(x)  # the step writes this invariant tensor in place: it must not be cached
+        return mask * 3.0
+
+
+def cached_sources() -> list[str]:
+    return [d.source for d in cached_decisions()]
+
+
+def test_tensor_the_step_writes_in_place_is_not_cached():
+    m = WritesItsMask()
+    f = compiled(m, EAGER, torch.zeros(16))
+    for i in range(3):
+        x = torch.full((16,), float(i))
+        assert run_both(f, m, x) == (1 if i == 0 else 0)
+    assert cached_sources() == ["base = self.table.cumsum(0)"]
+
+
+class ReturnsItsMask(Table16):
+    def forward(self, x):
+        base = self.table.cumsum(0)
+        mask = base * 2.0
+        return x + mask, mask.view(4, 4)  # the caller gets a view of mask: it must not be cached
+
+
+def test_tensor_returned_to_the_caller_is_not_cached():
+    m = ReturnsItsMask()
+    f = torch.compile(m, backend=NosyncBackend(EAGER))
+    x = torch.randn(16)
+    for _ in range(3):
+        out = f(x)
+        assert_bitwise(out, m(x))
+        out[1].fill_(-1.0)  # the caller owns what it got back
+    assert cached_sources() == ["base = self.table.cumsum(0)"]
+
+
+def test_grad_mode_on_and_off_do_not_share_entries():
+    m = Masked()
+    f = torch.compile(m, backend=NosyncBackend(EAGER))
+    x = torch.randn(8, 8, requires_grad=True)
+    for grad in (True, False, True, False):
+        with torch.set_grad_enabled(grad):
+            out = f(x)
+            ref = m(x)
+        assert_bitwise(out.detach(), ref.detach())
+        assert out.requires_grad == ref.requires_grad == grad
+    assert counters["nosync"]["invariant_computes"] == 2
+    assert counters["nosync"]["invariant_hits"] == 2
+    f(x).sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    m(x).sum().backward()
+    assert_bitwise(g, x.grad)
+
+
+class Noisy(Table16):
+    def forward(self, x):
+        base = self.table.cumsum(0)
+        noise = torch.randn_like(self.table) * base  # random: a new value at every call
+        return x + noise + base
+
+
+class Autocast(Table16):
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.table.cumsum(0)[:, None] @ torch.ones(1, 16)
+        return x + y.float()
+
+
+def test_random_work_is_never_cached():
+    m = Noisy()
+    f = compiled(m, EAGER, torch.zeros(16))
+    x = torch.randn(16)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        out = f(x)
+        torch.manual_seed(seed)
+        assert_bitwise(out, m(x))
+    assert cached_sources() == ["base = self.table.cumsum(0)"]
+
+
+def test_autocast_work_is_never_cached():
+    m = Autocast()
+    f = compiled(m, EAGER, torch.zeros(16, 16))
+    x = torch.randn(16, 16)
+    assert [run_both(f, m, x) for _ in range(2)] == [1, 1]
+    assert cached_decisions() == []
+
+
+def test_tiny_diffusion_step_caches_its_invariant_work_bitwise():
+    model = make_model("tiny")
+    request = make_request("tiny")
+    args = (request["x"], torch.tensor(1.0), request["token_types"], request["guidance_scale"],
+            request["grid_hw"])
+    f = compiled(model, EAGER, *args)
+    counters.clear()
+    exps = []
+    for i in range(4):
+        call = (args[0], torch.tensor(1.0 - i / 4), *args[2:])
+        out, n = op_count(f, *call, op="aten::exp")
+        assert_bitwise(out, model(*call))
+        exps.append(n)
+    # The frequency table of the time embedding reads no input at all: computed on the first
+    # call, then never again (and stock recomputes it at every step).
+    assert exps == [0, 0, 0, 0]
+    assert cached_decisions() and counters["nosync"]["invariant_hits"] == 4
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "64MB"])
+def test_cache_bytes_option_is_validated(bad):
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match="invariant_cache_bytes"):
+        NosyncBackend({"invariant_cache_bytes": bad})
+
+
+def test_explain_lists_each_cached_tensor(capsys):
+    from conftest import EXAMPLES
+    from torchsync_pass import explain
+
+    script = f"{EXAMPLES}/diffusion_loop.py"
+    rc = explain.main([script, "--steps", "3", "--backend", "nosync", "--codegen", "eager"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert re.search(r"diffusion_loop\.py:\d+: cached tensor\n\s+computed only from request-invariant "
+                     r"inputs through pure ops: once per request \(float32\[\d+\], \d+ bytes\)", out), out

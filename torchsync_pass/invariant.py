@@ -1,0 +1,302 @@
+"""Cache request-invariant tensor work across calls (``codegen="eager"``).
+
+Hoisting removes the *syncs* of a step, but every tensor computed only from request-invariant
+inputs (a mask built from a buffer, an embedding of a fixed table) is still recomputed at every
+step. :func:`cache_invariant` splits the graph nosync hands to codegen into
+
+* an *invariant* GraphModule: the maximal pure subgraph whose every input is a request-invariant
+  placeholder, returning the values the rest of the graph reads (the *frontier*), and
+* a *step* GraphModule: the original graph with each cached frontier value turned into an extra
+  placeholder (nodes that nothing reads any more are dropped).
+
+:class:`InvariantRunner` runs the invariant part once per request and keeps its results in a small
+LRU memo keyed like a hoisted value (:class:`torchsync_pass.guards.ConeMemo`: weak identity,
+``_version``, data pointer, shape, stride and dtype of every leaf), one memo per grad mode. A write
+to a leaf, a new leaf object or the other grad mode misses and recomputes. The cached tensors are
+the same eager ops on the same inputs, so the outputs stay bitwise equal to eager.
+
+Before::
+
+    def forward(self, l_x_, l_self_buffers_mask_):
+        cumsum = l_self_buffers_mask_.cumsum(0)
+        mul = cumsum * 2.0
+        add = l_x_ + mul
+        return (add,)
+
+After (invariant part, run on a memo miss)::
+
+    def forward(self, l_self_buffers_mask_):
+        cumsum = l_self_buffers_mask_.cumsum(0)
+        mul = cumsum * 2.0
+        return (mul,)
+
+After (step part, every call)::
+
+    def forward(self, l_x_, l_self_buffers_mask_, nosync_invariant_0):
+        add = l_x_ + nosync_invariant_0
+        return (add,)
+
+The rule (see the README, "Invariant tensors across calls"):
+
+* invariant leaves: tensor placeholders that are buffers or parameters of the compiled module, or
+  are named in ``options["invariant"]``; none may require grad, have symbolic sizes, or be an
+  inference tensor (no ``_version`` to notice a write);
+* an op is invariant when all its inputs are invariant and it is a plain op (no random op, no
+  in-place or ``out=`` writer, no internal, module or higher-order op: :func:`cone._impure_reason`);
+  no node whose memory (by storage, so views count) the graph writes or returns is invariant;
+* a frontier value is cached only when it is a tensor that does not alias a leaf (a bare view of an
+  input is not worth caching), and while the request's cached bytes stay within
+  ``options["invariant_cache_bytes"]``; a value that does not fit stays in the step and its
+  decision says so;
+* a graph traced under autocast, or that enters autocast itself, is left alone.
+
+NOTE: a cached tensor is never handed to the caller (values the graph returns are excluded) and is
+never written by the step (written storages are excluded), so it needs no copy.
+
+This module only builds new graphs; it never mutates the graph it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import fx
+
+from . import cone, dynamo_hooks, symbolic
+from .guards import MEMO_SIZE, ConeMemo, counters
+from .report import DECISIONS, Action, Decision, Reason, SiteKey
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class InvariantSplit:
+    """What :func:`cache_invariant` did: ``modified`` is False when nothing is cached."""
+
+    modified: bool
+    fn: Callable[..., Any]
+    cached: list[Decision] = field(default_factory=list)
+    skipped: list[Decision] = field(default_factory=list)
+    runner: Optional["InvariantRunner"] = None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _invariant_leaf(n: fx.Node, declared: tuple[str, ...]) -> Optional[str]:
+    """The user name of a request-invariant tensor placeholder, or None."""
+    leaf = dynamo_hooks.leaf_of(n)
+    if leaf is None or not isinstance(leaf.example, torch.Tensor):
+        return None
+    name = cone.dotted_name(leaf.source)
+    decl = cone.is_declared(name, declared)
+    if leaf.role not in ("parameter", "buffer") and not decl:
+        return None
+    if leaf.example.requires_grad or leaf.example.is_inference():
+        return None
+    if symbolic.free_symbols_of(leaf.example, cone._example(n)):
+        return None
+    return name
+
+
+def _enters_global_state(graph: fx.Graph) -> bool:
+    for n in graph.nodes:
+        name = cone._target_name(n) if n.op in ("call_function", "call_method") else ""
+        if "autocast" in name:
+            return True
+    return False
+
+
+def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx.Node], dict[fx.Node, str], set[int]]:
+    """(invariant nodes, leaf names, leaf storages)."""
+    written: set[int] = set()
+    for n in graph.nodes:
+        for w in cone.written_nodes(n):
+            key = cone._storage_key(cone._example(w))
+            if key is not None:
+                written.add(key)
+    output = next(iter(graph.find_nodes(op="output")))
+    for o in cone._nodes_in(output.args):
+        key = cone._storage_key(cone._example(o))
+        if key is not None:
+            written.add(key)  # returned to the caller, who may write it
+    inv: set[fx.Node] = set()
+    names: dict[fx.Node, str] = {}
+    leaf_storages: set[int] = set()
+    for n in graph.nodes:
+        key = cone._storage_key(cone._example(n))
+        if key is not None and key in written:
+            continue
+        if n.op == "placeholder":
+            name = _invariant_leaf(n, declared)
+            if name is not None:
+                inv.add(n)
+                names[n] = name
+                if key is not None:
+                    leaf_storages.add(key)
+            continue
+        if n.op not in ("call_function", "call_method") or cone._impure_reason(n) is not None:
+            continue
+        if symbolic.free_symbols_of(cone._example(n)):
+            continue
+        ex = cone._example(n)
+        if isinstance(ex, torch.Tensor) and getattr(ex, "_version", 0) > 0:
+            continue  # belt and braces: written by an op the table does not know
+        if all(i in inv for i in n.all_input_nodes):
+            inv.add(n)
+    return inv, names, leaf_storages
+
+
+def _decision(n: fx.Node, action: Action, reason: Reason, nbytes: int, leaves: tuple[str, ...],
+              compile_id: Optional[str]) -> Decision:
+    frames = cone.user_frames(n.meta.get("stack_trace") or "")
+    file, line, fn, src = frames[-1] if frames else ("<graph>", 0, "", n.name)
+    ex = cone._example(n)
+    shape = f"{str(ex.dtype).replace('torch.', '')}{list(ex.shape)}"
+    return Decision(
+        site=SiteKey(file, line), kind="tensor", action=action, reason=reason, code=fn, source=src,
+        detail=f"{shape}, {nbytes} bytes", leaves=leaves, compile_id=compile_id or "", nbytes=nbytes,
+    )
+
+
+def _ancestors_leaves(n: fx.Node, names: dict[fx.Node, str]) -> tuple[str, ...]:
+    seen, stack, out = set(), [n], []
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if m in names:
+            out.append(names[m])
+        stack.extend(m.all_input_nodes)
+    return tuple(sorted(out))
+
+
+def cache_invariant(gm: fx.GraphModule, opts: Any) -> InvariantSplit:
+    """Split ``gm`` into an invariant part (once per request) and a step part; see the module doc."""
+    graph = gm.graph
+    limit = opts.invariant_cache_bytes
+    if limit == 0 or cone._autocast_devices() or _enters_global_state(graph):
+        return InvariantSplit(False, gm.forward)
+    inv, names, leaf_storages = _invariant_nodes(graph, opts.invariant)
+    compile_id = dynamo_hooks.current_compile_id()
+    cached: list[fx.Node] = []
+    decisions: list[Decision] = []
+    skipped: list[Decision] = []
+    total = 0
+    for n in graph.nodes:
+        if n not in inv or n.op == "placeholder" or all(u in inv for u in n.users):
+            continue
+        ex = cone._example(n)
+        if not isinstance(ex, torch.Tensor) or cone._storage_key(ex) in leaf_storages:
+            continue  # not a tensor, or a view of an input: nothing to save
+        nbytes = _nbytes(ex)
+        leaves = _ancestors_leaves(n, names)
+        if total + nbytes > limit:
+            skipped.append(_decision(n, Action.NOT_CACHED, Reason.CACHE_BYTES, nbytes, leaves, compile_id))
+            continue
+        total += nbytes
+        cached.append(n)
+        decisions.append(_decision(n, Action.CACHED, Reason.INVARIANT_TENSOR, nbytes, leaves, compile_id))
+    for d in decisions + skipped:
+        DECISIONS.add(d)
+        counters()[d.action.value] += 1
+        log.info("nosync: %s %s: %s (%s)", d.action.value, d.site, d.source, d.detail)
+    if not cached:
+        return InvariantSplit(False, gm.forward, decisions, skipped)
+    inv_gm, leaf_index = _invariant_module(gm, cached)
+    step_gm = _step_module(gm, cached, inv)
+    size = max(1, min(MEMO_SIZE, limit // max(total, 1)))
+    runner = InvariantRunner(inv_gm, step_gm, leaf_index, size)
+    return InvariantSplit(True, runner, decisions, skipped, runner)
+
+
+def _invariant_module(gm: fx.GraphModule, cached: list[fx.Node]) -> tuple[fx.GraphModule, tuple[int, ...]]:
+    graph = gm.graph
+    needed: set[fx.Node] = set()
+    stack = list(cached)
+    while stack:
+        m = stack.pop()
+        if m not in needed:
+            needed.add(m)
+            stack.extend(m.all_input_nodes)
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    index = []
+    for i, p in enumerate(placeholders):
+        if p in needed:
+            env[p] = new.placeholder(p.name)
+            index.append(i)
+    for n in graph.nodes:
+        if n in needed and n not in env:
+            env[n] = new.node_copy(n, lambda x: env[x])
+    new.output(tuple(env[n] for n in cached))
+    new.lint()
+    return fx.GraphModule(gm, new, class_name="NosyncInvariant"), tuple(index)
+
+
+def _step_module(gm: fx.GraphModule, cached: list[fx.Node], inv: set[fx.Node]) -> fx.GraphModule:
+    graph = gm.graph
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for p in graph.find_nodes(op="placeholder"):
+        env[p] = new.node_copy(p, lambda x: env[x])
+    for i, n in enumerate(cached):
+        env[n] = new.placeholder(f"nosync_invariant_{i}")
+        env[n].meta.update(n.meta)  # its fake value and stack trace
+    for n in graph.nodes:
+        if n in env:
+            continue
+        if n.op == "output":
+            new.output(fx.node.map_arg(n.args[0], lambda x: env[x]))
+        else:
+            env[n] = new.node_copy(n, lambda x: env[x])
+    # Drop the invariant nodes nothing reads any more (pure by construction).
+    copies = {env[n] for n in inv if n.op != "placeholder" and n not in cached}
+    for n in reversed(list(new.nodes)):
+        if n in copies and not n.users:
+            new.erase_node(n)
+    new.lint()
+    return fx.GraphModule(gm, new, class_name="NosyncStep")
+
+
+class InvariantRunner:
+    """Calls the step with the invariant values of this request: memoized, recomputed on a miss."""
+
+    def __init__(self, invariant: fx.GraphModule, step: fx.GraphModule, leaf_index: tuple[int, ...],
+                 size: int) -> None:
+        self.invariant = invariant
+        self.step = step
+        self.leaf_index = leaf_index
+        self.size = size
+        self.memos = {True: ConeMemo((False,) * len(leaf_index), size),
+                      False: ConeMemo((False,) * len(leaf_index), size)}
+        self.lock = threading.Lock()
+
+    def values(self, args: tuple) -> tuple:
+        leaves = tuple(args[i] for i in self.leaf_index)
+        if any(t.is_inference() for t in leaves):
+            # NOTE: declared inference tensors have no _version; the identity-only memo would be the
+            # user's promise, which the step's own writes could break: recompute instead.
+            counters()["invariant_computes"] += 1
+            return tuple(self.invariant(*leaves))
+        memo = self.memos[torch.is_grad_enabled()]
+        e = memo.lookup(leaves)
+        if e is not None:
+            counters()["invariant_hits"] += 1
+            return e.value
+        counters()["invariant_computes"] += 1
+        value = tuple(self.invariant(*leaves))
+        memo.store(leaves, None, value)
+        return value
+
+    def __call__(self, *args: Any) -> Any:
+        return self.step(*args, *self.values(args))
