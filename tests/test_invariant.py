@@ -282,3 +282,32 @@ def test_explain_lists_each_cached_tensor(capsys):
     assert rc == 0
     assert re.search(r"diffusion_loop\.py:\d+: cached tensor\n\s+computed only from request-invariant "
                      r"inputs through pure ops: once per request \(float32\[\d+\], \d+ bytes\)", out), out
+
+
+class Weighted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(64.0).reshape(8, 8) / 9.0)
+
+    def forward(self, x):
+        return x @ (self.w.cumsum(0) * 0.5)
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_weights_that_require_grad_are_cached_only_declared_and_without_grad(declared):
+    m = Weighted()
+    options = {**EAGER, "invariant": ["self.w"] if declared else []}
+    x = torch.randn(8, 8)
+    with torch.no_grad():
+        f = compiled(m, options, x)
+        m.w.mul_(1.0)  # a new request
+        assert [run_both(f, m, x) for _ in range(3)] == ([1, 0, 0] if declared else [1, 1, 1])
+    # With grad on, nothing is cached (the weight's gradient must flow) and backward matches eager.
+    f(x)  # recompiles for grad mode: not counted
+    assert [run_both(f, m, x) for _ in range(2)] == [1, 1]
+    f(x).sum().backward()
+    g = m.w.grad.clone()
+    m.w.grad = None
+    m(x).sum().backward()
+    assert_bitwise(g, m.w.grad)
+    assert len(cached_decisions()) == (1 if declared else 0)

@@ -39,13 +39,15 @@ After (step part, every call)::
 The rule (see the README, "Invariant tensors across calls"):
 
 * invariant leaves: tensor placeholders that are buffers or parameters of the compiled module, or
-  are named in ``options["invariant"]``; none may require grad, have symbolic sizes, or be an
-  inference tensor (no ``_version`` to notice a write);
+  are named in ``options["invariant"]``; none may have symbolic sizes or be an inference tensor (no
+  ``_version`` to notice a write), and one that requires grad must be declared (fused optimizers
+  update parameters without bumping ``_version``);
 * an op is invariant when all its inputs are invariant and it is a plain op (no random op, no
   in-place or ``out=`` writer, no internal, module or higher-order op: :func:`cone._impure_reason`);
   no node whose memory (by storage, so views count) the graph writes or returns is invariant;
 * a frontier value is cached only when it is a tensor that does not alias a leaf (a bare view of an
-  input is not worth caching), and while the request's cached bytes stay within
+  input is not worth caching) and does not require grad (traced with grad mode off, or from leaves
+  that do not require grad), and while the request's cached bytes stay within
   ``options["invariant_cache_bytes"]``; a value that does not fit stays in the step and its
   decision says so;
 * a graph traced under autocast, or that enters autocast itself, is left alone.
@@ -99,7 +101,7 @@ def _invariant_leaf(n: fx.Node, declared: tuple[str, ...]) -> Optional[str]:
     decl = cone.is_declared(name, declared)
     if leaf.role not in ("parameter", "buffer") and not decl:
         return None
-    if leaf.example.requires_grad or leaf.example.is_inference():
+    if leaf.example.is_inference() or (leaf.example.requires_grad and not decl):
         return None
     if symbolic.free_symbols_of(leaf.example, cone._example(n)):
         return None
@@ -197,6 +199,8 @@ def cache_invariant(gm: fx.GraphModule, opts: Any) -> InvariantSplit:
         ex = cone._example(n)
         if not isinstance(ex, torch.Tensor) or cone._storage_key(ex) in leaf_storages:
             continue  # not a tensor, or a view of an input: nothing to save
+        if ex.requires_grad:
+            continue  # it carries this call's autograd graph: a backward would free it
         nbytes = _nbytes(ex)
         leaves = _ancestors_leaves(n, names)
         if total + nbytes > limit:
