@@ -124,13 +124,16 @@ def _resolve(options: Any) -> Options:
 
 
 def _policy(site: dynamo_hooks.SyncSite) -> tuple[bool, Any]:
+    opts: Optional[Options] = None
     try:
         opts = _resolve(site.options)
         return guards.decide(site, opts)
     except NosyncError as e:
         dynamo_hooks.raise_through_dynamo(e)
     except Exception:
-        if opts.strict:
+        # NOTE: the options themselves may be what failed to resolve: read strict from the raw dict
+        raw = site.options.get("strict") if isinstance(site.options, dict) else False
+        if (opts.strict if opts is not None else raw is True):
             raise
         log.warning("nosync: could not analyse the sync at %s:%s; leaving it to Dynamo",
                     site.file, site.line, exc_info=True)
@@ -169,7 +172,7 @@ class NosyncBackend:
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()``: its cache entries are gone, so are our sites."""
         self.compiled.clear()
-        guards.reset(keep_decisions=True)
+        _on_dynamo_reset()
 
 
 _COMPILED: list[dict] = []
@@ -187,16 +190,31 @@ def nosync(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Cal
 
 def _on_dynamo_reset() -> None:
     # torch._dynamo.reset() calls reset() on the backends it cached: every cache entry, and with
-    # them every specialisation and demotion of our sites, is gone. The decision log stays.
+    # them every specialisation and demotion of our sites, is gone. The decision log stays, and so
+    # do the compile records, but not their graphs: a model reloaded 40 times must not keep 40
+    # copies of its graph (and of the fake tensors in the graph's meta).
     guards.reset(keep_decisions=True)
+    _release_graphs(_COMPILED)
 
 
 nosync.reset = _on_dynamo_reset  # type: ignore[attr-defined]
 
 
 def compiled_graphs() -> list[dict]:
-    """Every graph nosync compiled in this process, by name or as a NosyncBackend (newest last)."""
+    """The graphs nosync compiled in this process, by name or as a NosyncBackend (newest last).
+
+    At most ``MAX_COMPILED`` records are kept; after ``torch._dynamo.reset()`` a record keeps its
+    compile id, codegen, mode and verification result, and its ``"graph"`` is None.
+    """
     return list(_COMPILED)
+
+
+MAX_COMPILED = 1024
+
+
+def _release_graphs(records: list[dict]) -> None:
+    for entry in records:
+        entry["graph"] = None
 
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode: Optional[str],
@@ -235,6 +253,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
             name=f"nosync graph {compile_id or ''} ({opts.codegen})".replace("  ", " "),
         )
     _COMPILED.append(entry)
+    del _COMPILED[: -MAX_COMPILED]
     if record is not None:
         record.append(entry)
     # NOTE: after verification, which runs the graph: see Note [A guard nobody can drop silently]

@@ -555,8 +555,9 @@ def extract_cone(
     for n in graph.nodes:  # graph order is a topological order
         if n in cone_nodes and n not in env:
             env[n] = new.node_copy(n, lambda x: env[x])
-            if "stack_trace" in n.meta:
-                env[n].meta["stack_trace"] = n.meta["stack_trace"]
+            # NOTE: node_copy copies the meta, whose fake tensors hold the trace's fake mode and
+            # shape env; the cone lives as long as its guard, so it keeps the stack trace only.
+            env[n].meta = {"stack_trace": n.meta["stack_trace"]} if "stack_trace" in n.meta else {}
     new.output(env[node])
     new.lint()
     return fx.GraphModule(torch.nn.Module(), new, class_name="NosyncCone")

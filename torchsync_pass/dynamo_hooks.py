@@ -42,6 +42,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn, Optional
 
@@ -80,6 +81,10 @@ class SyncSite:
     options: Any  # the raw options of the nosync backend
     frame_code: Any = None  # code object of the frame being compiled (owns the cache entries)
     frame_compile: int = 0  # how many times that frame was compiled before (0: first compile)
+    # Later instructions of the same opcode at the same source position: the two jumps of
+    # `if lo <= x <= hi:` share one position and are two syncs (0: the last one).
+    occurrence: int = 0
+    frame_locals: Any = None  # the compiled frame's real arguments (to check declared names)
     leaves: list[Leaf] = field(default_factory=list)
     _tx: Any = None  # the translator; opaque outside this module
 
@@ -234,6 +239,8 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
         options=options,
         frame_code=output.root_tx.f_code,
         frame_compile=_frame_compile_index(),
+        occurrence=_later_twins(utx, inst),
+        frame_locals=getattr(output.root_tx, "f_locals", None),
         _tx=tx,
     )
     for n in node.graph.nodes:
@@ -242,6 +249,29 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
             if leaf is not None:
                 site.leaves.append(leaf)
     return site
+
+
+def _later_twins(tx: Any, inst: Any) -> int:
+    """How many instructions after ``inst`` have its opcode and source position.
+
+    NOTE: counted from the end, so the count is the same in a resume function, which keeps the
+    instructions from the resume point on (and prepends its own).
+    """
+    where = getattr(inst, "positions", None)
+    if where is None or where.lineno is None:
+        return 0
+    at = (where.lineno, where.col_offset)
+    insts = tx.instructions
+    try:
+        start = next(i for i, x in enumerate(insts) if x is inst)
+    except StopIteration:
+        return 0
+    n = 0
+    for x in insts[start + 1 :]:
+        pos = getattr(x, "positions", None)
+        if x.opname == inst.opname and pos is not None and (pos.lineno, pos.col_offset) == at:
+            n += 1
+    return n
 
 
 def _frame_compile_index() -> int:
@@ -270,8 +300,8 @@ def _ask_policy(tx: Any, var: Any, kind: str) -> tuple[bool, Any, Optional[SyncS
         return False, None, None
     try:
         site = _describe(tx, var, kind, options)
-    except Exception:
-        log.debug("nosync: could not describe %s site", kind, exc_info=True)
+    except Exception as e:
+        _describe_failed(kind, options, e)
         return False, None, None
     _state.busy = True
     try:
@@ -279,6 +309,34 @@ def _ask_policy(tx: Any, var: Any, kind: str) -> tuple[bool, Any, Optional[SyncS
     finally:
         _state.busy = False
     return ok, value, site
+
+
+_warned: set = set()
+
+
+def _describe_failed(kind: str, options: Any, exc: Exception) -> None:
+    """A sync could not be described (a Dynamo internal moved): never a silent no-op."""
+    strict = options.get("strict") if isinstance(options, dict) else getattr(options, "strict", False)
+    message = (f"nosync: could not describe a sync site ({kind}; {type(exc).__name__}: {exc}); "
+               "it is left to stock Dynamo, not hoisted")
+    if strict is True:
+        from .errors import NosyncError
+
+        err = NosyncError(message + " (options['strict'] is True)")
+        err.__cause__ = exc
+        raise_through_dynamo(err)
+    if "describe" in _warned:
+        log.debug(message, exc_info=True)
+        return
+    _warned.add("describe")
+    log.warning("%s; later sites that fail the same way are logged at debug level", message,
+                exc_info=True)
+
+
+def reset() -> None:
+    """Release every nosync guard (see release_guards) and re-arm the one-time warnings."""
+    release_guards()
+    _warned.clear()
 
 
 def _stock(site: Optional[SyncSite], why_not: Any, run: Callable[[], Any]) -> Any:
@@ -326,6 +384,14 @@ class _GuardGroup:
         self.emitted: set[int] = set()
         self.runner: Optional[Callable[[Any, Any], bool]] = None
         self.ran = threading.local()  # .ok: the guard passed since the graph last ran (this thread)
+        self.released = False
+        _GROUPS[id(self)] = self
+
+    def release(self) -> None:
+        """Let go of every check (and what they hold); the guard fails from now on."""
+        self.released = True
+        self.checks, self.descriptions = [], []
+        self.runner = _fail_guard
 
     def __call__(self, L: Any, G: Any) -> bool:
         runner = self.runner
@@ -335,10 +401,19 @@ class _GuardGroup:
             self.ran.ok = True
             return True
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("nosync guard failed; hoisted here: %s", "; ".join(self.descriptions))
+            log.debug("%s; hoisted here: %s", self.failure_reason(), "; ".join(self.descriptions))
         return False
 
+    def failure_reason(self) -> str:
+        """Why the last call failed: the newest failure a check recorded (see SiteCheck._fail)."""
+        if self.released:
+            return "nosync: the guards were released by a reset"
+        marks = [m for m in (getattr(c, "failure", None) for c in self.checks) if m is not None]
+        return max(marks)[1] if marks else "nosync: a leaf of a hoisted sync no longer resolves"
+
     def _fused(self) -> Callable[[Any, Any], bool]:
+        if self.released:
+            return _fail_guard
         # Checks that know how to run together (guards.SiteCheck.fuse) share one leaf lookup and
         # a fast path; anything else runs one after the other.
         fuse = getattr(type(self.checks[0]), "fuse", None) if self.checks else None
@@ -356,10 +431,13 @@ class _GuardGroup:
                 return
             self.emitted.add(id(builder))
             name = f"___nosync_guards_{id(self):x}"
+            # NOTE: with more than one verbose part, Dynamo evaluates each part to find the
+            # recompile reason and reports the first string one: the first part asks this group
+            # why it failed (a value changed, or a site was demoted); the second is the fallback.
             builder.add_python_lambda_leaf_guard_to_root(
                 [f"{name}(L, G)"],
-                [f"nosync: a hoisted value changed (first site: {description}; "
-                 "TORCH_LOGS=+torchsync_pass names the one that changed)"],
+                [f"__import__({__name__!r}, fromlist=['_']).failure_reason({id(self)})",
+                 f"nosync: a hoisted check failed (first site: {description})"],
                 closure_vars={name: self},
             )
 
@@ -417,6 +495,32 @@ def require_guard(compiled: Callable) -> Callable:
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
     return run
+def _fail_guard(L: Any, G: Any) -> bool:
+    return False
+
+
+# NOTE [Guards outlive torch._dynamo.reset()]: Dynamo keeps a frame's CheckFunctionManager, and
+# with it the C++ guard manager and the closures of its lambda guards, alive after
+# torch._dynamo.reset(): weakref.finalize callbacks on objects that never die (classes, modules,
+# builtins) hold it. Python's GC cannot see into the C++ lambda guard, so whatever a nosync guard
+# references would live for the rest of the process. Each group is therefore released when nosync
+# resets: the closure keeps an empty group, and the checks, cones and memos are freed.
+_GROUPS: "weakref.WeakValueDictionary[int, _GuardGroup]" = weakref.WeakValueDictionary()
+
+
+def release_guards() -> None:
+    """Release every nosync guard installed so far (see Note [Guards outlive torch._dynamo.reset()])."""
+    for group in list(_GROUPS.values()):
+        group.release()
+
+
+def failure_reason(group_id: int) -> str:
+    """Dynamo's recompile reason for a failed nosync guard (evaluated by Dynamo on a recompile)."""
+    try:
+        group = _GROUPS.get(group_id)
+        return group.failure_reason() if group is not None else "nosync: the guards were released by a reset"
+    except Exception:  # never break Dynamo's reporting
+        return "nosync: a hoisted check failed"
 
 
 def add_lambda_guard(site: SyncSite, check: Callable[[Any, Any], bool], description: str) -> None:
@@ -786,13 +890,22 @@ def _unpatch() -> None:
 
 
 def _replace_tp_method_back(cls: type, attr: str, original: Callable) -> None:
+    """Undo :func:`_replace_tp_method` for ``attr``: only the entries under its own keys, and only
+    where they hold the hook wrapping ``original`` (another attribute's entry keeps its own)."""
     table = getattr(cls, "tp_methods", None)
     if not isinstance(table, dict):
         return
-    for key, entry in list(table.items()):
+
+    def ours(v: Any) -> bool:
+        return getattr(v, "__nosync_hook__", False) and getattr(v, "__wrapped__", None) is original
+
+    name = attr[len("method_") :] if attr.startswith("method_") else attr
+    for key in (name, attr):
+        entry = table.get(key)
+        if entry is None:
+            continue
         for fld in ("fn", "func", "impl", "handler"):
-            v = getattr(entry, fld, None)
-            if getattr(v, "__nosync_hook__", False):
+            if ours(getattr(entry, fld, None)):
                 try:
                     setattr(entry, fld, original)
                 except (AttributeError, TypeError):
@@ -800,7 +913,7 @@ def _replace_tp_method_back(cls: type, attr: str, original: Callable) -> None:
 
                     if dataclasses.is_dataclass(entry):
                         table[key] = dataclasses.replace(entry, **{fld: original})
-        if getattr(entry, "__nosync_hook__", False):
+        if ours(entry):
             table[key] = original
 
 

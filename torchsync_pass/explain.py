@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import counting
 
     counting.register_file(ns.script)
-    n_decisions = len(DECISIONS.all())
+    n_decisions = DECISIONS.mark()
     verify_ctx: Any = contextlib.nullcontext()
     graphs_before: list[dict] = []
     if ns.verify:
@@ -624,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
         if not verification:
             notes.append("--verify: the nosync backend compiled no graph in this run; nothing was verified")
     rep = build_report(
-        ns.script, list(ns.args), outcome, counter, funcs, DECISIONS.all()[n_decisions:], notes,
+        ns.script, list(ns.args), outcome, counter, funcs, DECISIONS.since(n_decisions), notes,
         verification,
     )
     if ns.json:

@@ -29,7 +29,9 @@ then fail at once, without a sync.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import itertools
 import logging
 import operator
 import struct
@@ -42,6 +44,7 @@ import torch
 
 from . import dynamo_hooks
 from .cone import ConeResult, analyze_cone, hidden_writes_to_hoisted, mark_hoisted
+from .errors import NosyncOptionsError
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
 
 log = logging.getLogger("torchsync_pass")
@@ -247,6 +250,7 @@ class ConeState:
     miss_streak: int = 0  # consecutive calls whose leaves were new (guard re-ran the cone)
     last_miss: Optional[_Entry] = None
     memos: dict = field(default_factory=dict)  # bits_state() -> ConeMemo
+    streak_keys: set = field(default_factory=set)  # values the guard computed during the streak
 
     def memo_for(self, bits: tuple) -> ConeMemo:
         memo = self.memos.get(bits)
@@ -319,6 +323,7 @@ def reset(keep_decisions: bool = False) -> None:
         _budget_frames.clear()
         _recompiles_seen.clear()
         _warned_names.clear()
+    dynamo_hooks.reset()
     if not keep_decisions:
         DECISIONS.clear()
 
@@ -376,9 +381,10 @@ def _trace_structured(d: Decision) -> None:
 
 def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     """The policy: (True, value) to hoist, (False, why_not) to leave the sync to Dynamo."""
-    # NOTE: one source position is one sync, whichever handler saw it, and whether Dynamo traces
-    # it in the function or in a resume function after a graph break (another code object).
-    key = (site.file, site.line, site.col)
+    # NOTE: one sync instruction is one site, whichever handler saw it, and whether Dynamo traces
+    # it in the function or in a resume function after a graph break (another code object): its
+    # source position, and which of the instructions sharing that position it is.
+    key = (site.file, site.line, site.col, site.occurrence)
     compile_id = dynamo_hooks.current_compile_id()
     _count_recompile(site, compile_id)
     with _lock:
@@ -410,6 +416,10 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     # step-varying input alive and hide that it changes every step.
     leaves = tuple(result.leaf_examples)
     result.leaf_examples = []
+    # NOTE: nor the traced graph: its nodes carry fake tensors (and through them the fake mode and
+    # the shape env), and a guard living in Dynamo's C++ guard manager, which Python's GC cannot
+    # traverse, would keep them alive after torch._dynamo.reset(). Only mark_hoisted needs them.
+    traced_nodes, result.nodes = result.nodes, frozenset()
     fp = (result.fingerprint, site.kind)  # what the cone computes, and how it is converted
     cone = state.cones.get(fp)
     if cone is None:
@@ -446,7 +456,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     cone.last_spec = spec
 
     srcs = [l.source for l in result.leaves]
-    mark_hoisted(result, owner=(key, fp))
+    mark_hoisted(dataclasses.replace(result, nodes=traced_nodes), owner=(key, fp))
     check = SiteCheck(state, cone, spec, srcs, bits)
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r}")
     _record(state, Action.HOISTED, Reason.INVARIANT_CONE,
@@ -472,25 +482,54 @@ _warned_names: set = set()
 
 
 def _check_declared_names(site: dynamo_hooks.SyncSite, opts: Any) -> None:
-    """Warn once when ``options['invariant']`` names something the compiled function has no
-    argument for (a typo would otherwise just leave the site speculated or rejected)."""
+    """Warn once per name when ``options['invariant']`` names nothing the compiled function can
+    reach: no such argument, or a dotted path whose attribute does not exist (a typo would
+    otherwise just leave the site speculated or rejected). With ``strict``, raise instead."""
     code = site.frame_code
     if not opts.invariant or code is None or code.co_name.startswith("torch_dynamo_resume_in_"):
         return
     nargs = code.co_argcount + code.co_kwonlyargcount
     args = code.co_varnames[:nargs]
     for name in opts.invariant:
-        head = name.split(".", 1)[0]
-        if head in args or (("self" in args) and "." not in name):
-            continue  # "mask" may mean self.mask
         key = (code, name)
         if key in _warned_names:
             continue
-        _warned_names.add(key)
-        log.warning(
-            "nosync: options['invariant'] names %r, but %s has no argument %r (arguments: %s)",
-            name, code.co_name, head, ", ".join(args) or "none",
-        )
+        _warned_names.add(key)  # checked once per compiled function and name
+        problem = _declared_name_problem(name, args, site.frame_locals)
+        if problem is None:
+            continue
+        message = (f"nosync: options['invariant'] names {name!r}, but {problem} "
+                   f"({code.co_name} takes: {', '.join(args) or 'no arguments'})")
+        if opts.strict:
+            raise NosyncOptionsError(message + "; options['strict'] is True")
+        log.warning("%s", message)
+
+
+def _declared_name_problem(name: str, args: tuple, scope: Any) -> Optional[str]:
+    """Why ``name`` (``"token_types"``, ``"self.attn.mask"``, ``"mask"`` for ``self.mask``) does
+    not resolve in the frame, or None when it does (or cannot be checked)."""
+    parts = name.split(".")
+    if parts[0] in args:
+        path = parts
+    elif "self" in args:
+        path = ["self"] + parts  # "mask" may mean self.mask
+    else:
+        return f"there is no argument {parts[0]!r}"
+    if not isinstance(scope, dict) or path[0] not in scope:
+        return None
+    obj = scope[path[0]]
+    for i, part in enumerate(path[1:], 1):
+        try:
+            if isinstance(obj, dict):
+                obj = obj[part]
+            elif isinstance(obj, (list, tuple)) and part.isdigit():
+                obj = obj[int(part)]
+            else:
+                obj = getattr(obj, part)
+        except (AttributeError, KeyError, IndexError, TypeError):
+            what = f"{'.'.join(path[:i])} ({type(obj).__name__}) has no attribute {part!r}"
+            return what if path is parts else f"there is no argument {parts[0]!r} and {what}"
+    return None
 
 
 _budget_frames: set = set()
@@ -542,6 +581,7 @@ def _demotion(cone: ConeState, result: ConeResult, leaves: tuple, opts: Any) -> 
 
 
 MISS_STREAK_DEMOTE = 3
+_FAILURES = itertools.count()
 
 
 class SiteCheck:
@@ -565,7 +605,7 @@ class SiteCheck:
             leaves = self.getter(L, G)
         except Exception:
             log.debug("nosync guard for %s: a leaf no longer resolves", self.state.site, exc_info=True)
-            return False
+            return self._fail("a leaf no longer resolves")
         return self.check_leaves(leaves)
 
     def check_leaves(self, leaves: tuple) -> bool:
@@ -575,7 +615,7 @@ class SiteCheck:
         # fresh entry (on the trace's inputs, whose value is right) must pass: a site can be
         # demoted once the whole graph is known (demote_hidden_writes)
         if state.demoted is not None and not compiling():
-            return False
+            return self._fail_demoted()
         c = counters()
         try:
             e = self.memo.lookup(leaves)
@@ -584,9 +624,10 @@ class SiteCheck:
                     e = self.cone.evaluate(leaves, self.memo)
                 else:
                     if _runtime_miss(state, self.cone, self.may_demote):
-                        return False
+                        return self._fail_demoted()
                     e = self.cone.evaluate(leaves, self.memo)
                     self.cone.last_miss = e
+                    self.cone.streak_keys.add(e.key)
                     state.guard_syncs += 1
                     c["guard_syncs"] += 1
             else:
@@ -600,12 +641,23 @@ class SiteCheck:
                     e.hits += 1
         except Exception:
             log.debug("nosync guard for %s failed; treating as a miss", state.site, exc_info=True)
-            return False
+            return self._fail("the check raised (TORCH_LOGS=+torchsync_pass shows it)")
         if e.key == spec.key:
             if spec.hits or not compiling():  # demotion asks "hit at call time yet?"
                 spec.hits += 1
             return True
+        return self._fail(f"a hoisted value changed: {spec.value!r} -> {e.value!r}")
+
+    # Why the last failed check failed, for Dynamo's recompile reason (failure paths only).
+    failure: Optional[tuple[int, str]] = None
+
+    def _fail(self, why: str) -> bool:
+        self.failure = (next(_FAILURES), f"nosync: {why} at {self.state.site}: {self.state.source}")
         return False
+
+    def _fail_demoted(self) -> bool:
+        reason = self.state.demoted
+        return self._fail(f"site demoted ({reason.name if reason is not None else '?'}), not a value change")
 
     def fast_hit(self) -> None:
         """Book a call whose leaves are exactly those of the last call that passed."""
@@ -714,7 +766,13 @@ def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
         cone.miss_streak += 1
     else:
         cone.miss_streak = 1
-    if may_demote and cone.miss_streak >= MISS_STREAK_DEMOTE:
+        cone.streak_keys = set()
+    # NOTE: leaves that are new on every call but keep their value (a 0-d tensor built anew each
+    # step) are not demoted: the guard's one sync per call replaces the sync stock Dynamo would make,
+    # and the graph stays whole. Demoting would cost a recompile (and the syncs Dynamo makes while
+    # compiling) for nothing, so nosync would sync more than stock. Only a streak that also brought
+    # a new value, i.e. a recompile per call, demotes.
+    if may_demote and cone.miss_streak >= MISS_STREAK_DEMOTE and len(cone.streak_keys) > 1:
         state.demoted = Reason.LEAVES_CHANGE
         state.demoted_detail = (
             f"its leaves were new on {cone.miss_streak} calls in a row, so the guard re-ran the cone "

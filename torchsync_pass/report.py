@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import linecache
 import threading
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -104,20 +105,40 @@ class Decision:
         return f"{what}\n    {self.action.value} {self.kind}{val}: {self.reason.value}{tail}"
 
 
+MAX_DECISIONS = 10_000
+
+
 @dataclass
 class DecisionLog:
-    """Process-wide list of decisions, in the order they were taken (thread-safe)."""
+    """Process-wide list of decisions, in the order they were taken (thread-safe).
 
-    _items: list[Decision] = field(default_factory=list)
+    Bounded: a server that reloads its model keeps compiling, so only the newest
+    ``MAX_DECISIONS`` records are kept.
+    """
+
+    _items: deque = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _added: int = 0  # records ever added (never reset), for since()
 
     def add(self, d: Decision) -> None:
         with self._lock:
             self._items.append(d)
+            self._added += 1
 
     def all(self) -> list[Decision]:
         with self._lock:
             return list(self._items)
+
+    def mark(self) -> int:
+        """A position in the log, for :meth:`since`."""
+        with self._lock:
+            return self._added
+
+    def since(self, mark: int) -> list[Decision]:
+        """The records added after ``mark`` (those still kept)."""
+        with self._lock:
+            n = self._added - mark
+            return list(self._items)[-n:] if n > 0 else []
 
     def clear(self) -> None:
         with self._lock:
