@@ -10,8 +10,12 @@ still alive beyond those after two warm-up cycles, and the RSS growth per cycle:
     guard groups      nosync's closures inside Dynamo's lambda guards, with checks / released
     GraphModule       traced graphs and cone modules
 
-    python benchmarks/reload_memory.py                      # 40 cycles x 40 layers, both backends
+    python benchmarks/reload_memory.py                      # 40 cycles x 40 layers, each variant
     python benchmarks/reload_memory.py --cycles 10 --layers 8 --backends nosync
+
+Variants: ``nosync`` (eager codegen), ``eager`` (stock, a graph break per layer) and
+``eager-hoisted`` (stock on the hand-hoisted model: the same single graph nosync produces).
+Run one variant per process for RSS figures that do not depend on what ran before.
 
 NOTE: stock Dynamo itself keeps one CheckFunctionManager per compiled frame alive after a reset
 (``weakref.finalize`` callbacks on long-lived objects such as classes hold it), and with it its
@@ -43,10 +47,23 @@ class Layer(nn.Module):
         return self.lin(x)
 
 
+class HoistedLayer(Layer):
+    """The same layer with the answer passed as a Python constant: one unbroken graph for stock."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__(i)
+        self.big = float(i % 3 + 1) > 1.5
+
+    def forward(self, x):
+        if self.big:
+            x = x * 2
+        return self.lin(x)
+
+
 class Model(nn.Module):
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, hoisted: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Layer(i) for i in range(layers))
+        self.layers = nn.ModuleList((HoistedLayer if hoisted else Layer)(i) for i in range(layers))
 
     def forward(self, x):
         for layer in self.layers:
@@ -85,10 +102,12 @@ def measure(backend: str, cycles: int, layers: int) -> dict:
     import torchsync_pass  # noqa: F401  (registers "nosync" from a source tree)
 
     x = torch.randn(4, 16)
+    hoisted = backend == "eager-hoisted"
+    backend = "eager" if hoisted else backend
     opts = {"options": {"codegen": "eager"}} if backend == "nosync" else {}
 
     def cycle() -> None:
-        model = Model(layers).eval()
+        model = Model(layers, hoisted).eval()
         step = torch.compile(model, backend=backend, **opts)
         with torch.no_grad():
             for _ in range(3):
@@ -104,7 +123,7 @@ def measure(backend: str, cycles: int, layers: int) -> dict:
     seconds = time.perf_counter() - t0
     after, rss1 = live(), rss()
     return {
-        "backend": backend, "cycles": cycles, "layers": layers,
+        "backend": backend + (" (hand-hoisted model)" if hoisted else ""), "cycles": cycles, "layers": layers,
         "extra_alive": {k: after[k] - before[k] for k in after},
         "rss_growth_mb_per_cycle": round((rss1 - rss0) / cycles / 1e6, 3),
         "seconds": round(seconds, 1),
@@ -115,7 +134,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cycles", type=int, default=40)
     p.add_argument("--layers", type=int, default=40)
-    p.add_argument("--backends", default="nosync,eager")
+    p.add_argument("--backends", default="nosync,eager,eager-hoisted")
     ns = p.parse_args()
     for backend in ns.backends.split(","):
         print(json.dumps(measure(backend, ns.cycles, ns.layers)))
