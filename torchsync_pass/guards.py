@@ -646,6 +646,8 @@ class SiteCheck:
             if spec.hits or not compiling():  # demotion asks "hit at call time yet?"
                 spec.hits += 1
             return True
+        if state.demoted is not None:  # Dynamo re-checking why the call failed (while compiling)
+            return self._fail_demoted()
         return self._fail(f"a hoisted value changed: {spec.value!r} -> {e.value!r}")
 
     # Why the last failed check failed, for Dynamo's recompile reason (failure paths only).
