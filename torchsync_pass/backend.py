@@ -193,6 +193,7 @@ def _on_dynamo_reset() -> None:
     # them every specialisation and demotion of our sites, is gone. The decision log stays, and so
     # do the compile records, but not their graphs: a model reloaded 40 times must not keep 40
     # copies of its graph (and of the fake tensors in the graph's meta).
+    dynamo_hooks.forget_guard_managers()
     guards.reset(keep_decisions=True)
     _release_graphs(_COMPILED)
 

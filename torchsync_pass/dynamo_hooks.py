@@ -385,6 +385,7 @@ class _GuardGroup:
         self.runner: Optional[Callable[[Any, Any], bool]] = None
         self.ran = threading.local()  # .ok: the guard passed since the graph last ran (this thread)
         self.released = False
+        self.managers: list = []  # weak refs to the CheckFunctionManagers that hold this group
         _GROUPS[id(self)] = self
 
     def release(self) -> None:
@@ -430,6 +431,9 @@ class _GuardGroup:
             if id(builder) in self.emitted:
                 return
             self.emitted.add(id(builder))
+            manager = getattr(builder, "check_fn_manager", None)
+            if manager is not None:
+                self.managers.append(weakref.ref(manager))
             name = f"___nosync_guards_{id(self):x}"
             # NOTE: with more than one verbose part, Dynamo evaluates each part to find the
             # recompile reason and reports the first string one: the first part asks this group
@@ -512,6 +516,32 @@ def release_guards() -> None:
     """Release every nosync guard installed so far (see Note [Guards outlive torch._dynamo.reset()])."""
     for group in list(_GROUPS.values()):
         group.release()
+
+
+def forget_guard_managers() -> None:
+    """Right after ``torch._dynamo.reset()``: let the guard managers of nosync frames be freed.
+
+    NOTE: see Note [Guards outlive torch._dynamo.reset()]. What keeps a CheckFunctionManager alive
+    is the ``weakref.finalize(obj, manager.invalidate)`` Dynamo registers for each object it guards
+    by identity; for classes, modules and builtins it never runs. After a reset the manager's cache
+    entry is gone, so invalidating it has nothing left to do: the finalizers of the managers that
+    hold a nosync guard are detached, and the whole guard tree (a frame of a 40-layer model is
+    about a megabyte of it) is freed. Only on a Dynamo reset: while the cache entries live, the
+    finalizers are what keeps an entry from matching a new object at a freed address.
+    """
+    managers = []
+    for group in list(_GROUPS.values()):
+        managers += [m for m in (ref() for ref in group.managers) if m is not None]
+        group.managers = []
+    if not managers:
+        return
+    ours = {id(m) for m in managers}
+    for fin in list(getattr(weakref.finalize, "_registry", {})):
+        info = fin.peek()
+        fn = info[1] if info is not None else None
+        fn = getattr(fn, "func", fn)  # functools.partial(manager.invalidate, obj_str=...)
+        if id(getattr(fn, "__self__", None)) in ours:
+            fin.detach()
 
 
 def failure_reason(group_id: int) -> str:
