@@ -132,7 +132,7 @@ _HOOK_SCRIPT = textwrap.dedent(
         H._make_method_hook = lambda attr, kind, original: (
             original if kind == "item" else _make(attr, kind, original))
     elif scenario == "old-torch":
-        torch.__version__ = "2.12.1"
+        torch.__version__ = "2.10.1"
 
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -180,7 +180,7 @@ _HOOK_SCRIPT = textwrap.dedent(
                      "'method_item'", id="hook-missing-inductor", marks=pytest.mark.inductor),
         pytest.param("hook-never-fires", "eager",
                      "Dynamo hook(s) installed but never fired: TensorVariable.method_item", id="hook-dead"),
-        pytest.param("old-torch", "eager", "torch 2.12.1 is outside the supported range >=2.13,<2.16",
+        pytest.param("old-torch", "eager", "torch 2.10.1 is outside the supported range >=2.11,<2.16",
                      id="unsupported-torch"),
     ],
 )

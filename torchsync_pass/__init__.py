@@ -32,6 +32,7 @@ _LAZY = {
     "NosyncBackend": "backend",
     "reset": "backend",
     "keep_nosync_guards": "backend",
+    "TORCH_REQUIREMENT": "dynamo_hooks",
 }
 
 __all__ = ["Action", "Decision", "Reason", "SiteKey", "decisions", *sorted(_LAZY)]

@@ -38,6 +38,7 @@ import os
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -467,20 +468,57 @@ def _in_compilation() -> bool:
 _TLS = threading.local()
 
 
-def _target_is_cpu(args: tuple, kwargs: dict) -> bool:
+def _to_target(args: tuple, kwargs: dict) -> Any:
+    """What ``Tensor.to(...)`` moves to: a str, a torch.device, a tensor (its device), or None."""
     dev = kwargs.get("device")
-    if dev is None and args:
-        a = args[0]
-        if isinstance(a, (str, torch.device)):
-            dev = a
-        elif isinstance(a, torch.Tensor):
-            dev = a.device
-    if dev is None:
-        return False
+    if dev is None and args and isinstance(args[0], (str, torch.device, torch.Tensor)):
+        dev = args[0]
+    return dev
+
+
+def _device_type(dev: Any) -> str | None:
     try:
-        return torch.device(dev).type == "cpu"
+        return (dev.device if isinstance(dev, torch.Tensor) else torch.device(dev)).type
     except (RuntimeError, TypeError):
+        return None
+
+
+_NAMES_CPU = re.compile(r"""\.cpu\s*\(|["']cpu(?::\d+)?["']""")
+
+
+def _line_names_cpu(frame: Any) -> bool:
+    """True when the user's source line that made the call names the host (``"cpu"``, ``.cpu()``)."""
+    import linecache
+
+    uf = _user_frame(frame)
+    if uf is None:
         return False
+    return bool(_NAMES_CPU.search(linecache.getline(uf.f_code.co_filename, uf.f_lineno or 0)))
+
+
+def _moves_to_host(name: str, self: torch.Tensor, args: tuple, kwargs: dict, frame: Any) -> bool:
+    """NOTE [Which moves count]: a move counts when it would be a device-to-host read on a GPU.
+
+    On an accelerator run that is a move of a device tensor to the CPU. On a CPU-only run every
+    tensor is on the CPU, so ``t.to(other.device)`` (diffusers' ``timesteps[None].to(sample.device)``,
+    transformers' stopping criteria) would be a device-to-device no-op on a GPU: it counts only when
+    the move names the host: ``.cpu()``, ``.to("cpu")``/``.to(device="cpu")``, or a torch.device whose
+    call line names ``"cpu"`` (``.to(torch.device("cpu"))``). ``.to(other_tensor)`` never counts
+    there. The rule looks at the call, not at what the codegen does with it, so eager, nosync's eager
+    codegen and Inductor agree.
+    """
+    if _SESSION.accelerator:
+        if self.device.type == "cpu":
+            return False
+        return name == "cpu" or _device_type(_to_target(args, kwargs)) == "cpu"
+    if name == "cpu":
+        return True
+    target = _to_target(args, kwargs)
+    if isinstance(target, str):
+        return _device_type(target) == "cpu"
+    if isinstance(target, torch.device):
+        return target.type == "cpu" and _line_names_cpu(frame)
+    return False
 
 
 def _is_mask(i: Any) -> bool:
@@ -493,14 +531,11 @@ def _has_mask(idx: Any) -> bool:
     return _is_mask(idx)
 
 
-def _classify(name: str, self: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
+def _classify(name: str, self: torch.Tensor, args: tuple, kwargs: dict, frame: Any) -> str | None:
     if name in _ALWAYS:
         return _ALWAYS[name]
-    if name == "cpu" or (name == "to" and _target_is_cpu(args, kwargs)):
-        # A copy to the host: a sync from a device; on a CPU-only run it would be one on a GPU.
-        if self.device.type != "cpu" or not _SESSION.accelerator:
-            return "cpu"
-        return None
+    if name in ("cpu", "to"):
+        return "cpu" if _moves_to_host(name, self, args, kwargs, frame) else None
     if name == "__getitem__":
         return "mask_index" if args and _has_mask(args[0]) else None
     if name == "__setitem__":
@@ -538,13 +573,14 @@ def _record(kind: str, self: torch.Tensor, out: Any, frame: Any) -> None:
         ev = _Event(kind, site, fn, code_key, device, vkey, vrepr)
     for rec in _SESSION.recorders():
         rec._add(ev)
+    _SESSION.maybe_rotate()
 
 
 def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self, *args, **kwargs):
         if getattr(_TLS, "depth", 0) or not _SESSION.active:
             return orig(self, *args, **kwargs)
-        kind = _classify(name, self, args, kwargs)
+        kind = _classify(name, self, args, kwargs, sys._getframe(1))
         if kind is None:
             return orig(self, *args, **kwargs)
         _TLS.depth = 1
@@ -830,15 +866,34 @@ def _attribute(stack: list[_Ev]) -> tuple[SiteKey, str, tuple | None, bool]:
 # --------------------------------------------------------------------------------------------
 # The process-wide session: one set of wrappers, one profiler, many (nested) counters
 # --------------------------------------------------------------------------------------------
+#: A profiler chunk is closed and digested after this many seconds (at the next intercepted
+#: sync), so a long run keeps a bounded trace in memory.
+PROFILER_CHUNK_S = 20.0
+
+
 class _Session:
+    """NOTE [Profiler chunks]: the profiler's Python tracer records every Python call. Left on
+    while Dynamo and Inductor compile (millions of Python calls), it made explain on a tiny
+    diffusers pipeline take minutes and about 12 GB. So the profiler is stopped (its events
+    digested) when Dynamo starts compiling a frame and restarted when it is done, and a running
+    chunk is digested every ``PROFILER_CHUNK_S`` seconds. The same pause covers module imports
+    (importing diffusers under the tracer alone took 100 s and 7.7 GB). Syncs made while compiling are
+    ``compile_time`` and not in ``total``; the method wrappers still see them. The Python tracer
+    records the frames already on the stack when it starts, so attribution across chunks holds.
+    """
+
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._recs: list[SyncCounts] = []
         self._patcher = _Patcher()
         self._prof: _Profiler | None = None
+        self._unwatch: Callable[[], None] | None = None
+        self._paused = 0  # compiles in progress that stopped the profiler
+        self._chunk_end = 0.0
         self.active = False
         self.profiling = False
         self.accelerator = False
+        self.chunks = 0
 
     def recorders(self) -> list[SyncCounts]:
         return list(self._recs)
@@ -849,6 +904,7 @@ class _Session:
             if not self._recs:
                 self.accelerator = _accelerator_available()
                 self._patcher.install()
+                self._watch_compiles()
             self._recs.append(rec)
             self.active = True
             self._restart()
@@ -865,11 +921,53 @@ class _Session:
             if not self._recs:
                 self.active = False
                 self._patcher.uninstall()
+                unwatch, self._unwatch = self._unwatch, None
+                if unwatch is not None:
+                    unwatch()
+                self._paused = 0
             self._restart()
+
+    def _watch_compiles(self) -> None:
+        removers = []
+        for what, watch in (("Dynamo compiles", dynamo_hooks.watch_compiles),
+                            ("module imports", dynamo_hooks.watch_imports)):
+            try:
+                removers.append(watch(self._compile_started, self._compile_ended))
+            except Exception:
+                log.warning("torchsync_pass: could not watch %s; the profiler stays on during them "
+                            "(slow, memory-hungry on large programs)", what, exc_info=True)
+
+        def unwatch() -> None:
+            for remove in removers:
+                remove()
+
+        self._unwatch = unwatch
+
+    def _compile_started(self) -> None:
+        with self._lock:
+            if self._paused or self.profiling:
+                self._paused += 1
+                if self._paused == 1:
+                    self._flush()
+
+    def _compile_ended(self) -> None:
+        with self._lock:
+            if self._paused:
+                self._paused -= 1
+                if not self._paused:
+                    self._restart()
+
+    def maybe_rotate(self) -> None:
+        """Digest the running profiler chunk when it is older than ``PROFILER_CHUNK_S``."""
+        if self.profiling and time.monotonic() > self._chunk_end:
+            with self._lock:
+                if self.profiling and not self._paused:
+                    self._flush()
+                    self._restart()
 
     def _restart(self) -> None:
         want = [r for r in self._recs if r.want_profiler]
-        if not want:
+        if not want or self._paused:  # a compile in progress restarts it when done
             return
         prof = _Profiler(stacks=any(r.want_stacks for r in want))
         try:
@@ -880,6 +978,8 @@ class _Session:
         if ok:
             self._prof = prof
             self.profiling = True
+            self.chunks += 1
+            self._chunk_end = time.monotonic() + PROFILER_CHUNK_S
             for r in want:
                 r.profiled = True
 

@@ -50,7 +50,22 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_TORCH = ((2, 13), (2, 16))  # [min, max)
+#: The supported torch releases. setup.cfg's ``install_requires`` carries the same string (a test
+#: checks it); :data:`SUPPORTED_TORCH` is parsed from it.
+TORCH_REQUIREMENT = "torch>=2.11,<2.16"
+
+
+def _parse_requirement(req: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    import re
+
+    m = re.fullmatch(r"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)", req)
+    if m is None:
+        raise ValueError(f"cannot parse {req!r}")
+    a, b, c, d = map(int, m.groups())
+    return (a, b), (c, d)
+
+
+SUPPORTED_TORCH = _parse_requirement(TORCH_REQUIREMENT)  # [min, max)
 
 JUMP_KIND = "bool"
 
@@ -681,32 +696,49 @@ def _compile_context_try_get() -> Any:
 # --------------------------------------------------------------------------------------------
 # The hooks
 # --------------------------------------------------------------------------------------------
-_METHOD_HOOKS = {
-    # sync kind: TensorVariable attribute names that implement it, newest torch first. A final
-    # None: torch older than SUPPORTED_TORCH (TORCHSYNC_PASS_ANY_TORCH=1 experiments only) has no
-    # hook point of its own for this kind. There (torch 2.11) BuiltinVariable.call_bool/call_int/
-    # call_float call Tensor.item(), so bool(t)/int(t)/float(t) reach the "item" hook (site kind
-    # "item"), and operator.index(t) always graph-breaks (stock). Ignored on supported torch.
-    "item": ("method_item",),
-    "tolist": ("method_tolist",),
-    "bool": ("nb_bool_impl", "bool_impl", None),  # renamed in torch 2.14
-    "int": ("nb_int_impl", None),
-    "float": ("nb_float_impl", None),
-    "index": ("nb_index_impl", None),
+# NOTE [Hook table per release]: the TensorVariable attribute that implements each sync kind, per
+# torch release (the row of the newest release not newer than the running torch; an experiment
+# with TORCHSYNC_PASS_ANY_TORCH=1 outside the range takes the nearest row). None: that release has
+# no hook point of its own for the kind.
+# - 2.11: BuiltinVariable.call_bool/call_int/call_float call Tensor.item(), so bool(t), int(t),
+#   float(t) and truthiness reach the "item" hook (their sites are labelled "item"), and
+#   operator.index(t) (range(t), seq[t] with a 0-d int tensor) has no hook: it stays a stock graph
+#   break and a sync at every call, and is never hoisted.
+# - 2.12, 2.13: one hook per kind; bool() is ``bool_impl``.
+# - 2.14, 2.15: bool() is ``nb_bool_impl``, and call_method dispatches through the class-level
+#   ``tp_methods`` table, whose entries are replaced too (see _replace_tp_method).
+_HOOKS_2_12 = {"item": "method_item", "tolist": "method_tolist", "bool": "bool_impl",
+               "int": "nb_int_impl", "float": "nb_float_impl", "index": "nb_index_impl"}
+HOOK_TABLE: dict[tuple[int, int], dict[str, Optional[str]]] = {
+    (2, 11): {"item": "method_item", "tolist": "method_tolist", "bool": None, "int": None,
+              "float": None, "index": None},
+    (2, 12): _HOOKS_2_12,
+    (2, 13): _HOOKS_2_12,
+    (2, 14): {**_HOOKS_2_12, "bool": "nb_bool_impl"},
+    (2, 15): {**_HOOKS_2_12, "bool": "nb_bool_impl"},
 }
+_METHOD_HOOKS = HOOK_TABLE[(2, 13)]  # the kinds, in hook order
+
+
+def hook_row(version: Optional[tuple[int, ...]] = None) -> dict[str, Optional[str]]:
+    """The HOOK_TABLE row for ``version`` (default: the running torch)."""
+    ver = tuple(version or _torch_version())[:2]
+    older = [r for r in HOOK_TABLE if r <= ver]
+    return HOOK_TABLE[max(older) if older else min(HOOK_TABLE)]
 
 
 def _method_attr(kind: str) -> Optional[str]:
-    """The hook point of ``kind``; None only on torch older than SUPPORTED_TORCH (see above)."""
+    """The hook point of ``kind`` on the running torch; None where its release has none."""
     from torch._dynamo.variables.tensor import TensorVariable
 
-    for attr in _METHOD_HOOKS[kind]:
-        if attr is None:
-            if _torch_version() < SUPPORTED_TORCH[0]:
-                return None
-        elif hasattr(TensorVariable, attr):
-            return attr
-    raise AttributeError(f"TensorVariable has none of {', '.join(filter(None, _METHOD_HOOKS[kind]))}")
+    attr = hook_row()[kind]
+    if attr is None or hasattr(TensorVariable, attr):
+        return attr
+    # a release between table rows may have renamed it: try the other rows' names
+    for other in dict.fromkeys(row[kind] for row in HOOK_TABLE.values()):
+        if other is not None and hasattr(TensorVariable, other):
+            return other
+    raise AttributeError(f"TensorVariable has no attribute {attr!r} (hook point of {kind})")
 
 
 def _torch_version() -> tuple[int, ...]:
@@ -870,7 +902,7 @@ def _patch() -> None:
 
     for kind in _METHOD_HOOKS:
         attr = _method_attr(kind)  # AttributeError: hook point missing
-        if attr is None:  # older torch: reaches another hook, or stays stock (see _METHOD_HOOKS)
+        if attr is None:  # no hook point on this release (see HOOK_TABLE)
             continue
         original = getattr(TensorVariable, attr)
         _originals[f"TensorVariable.{attr}"] = original
@@ -1007,8 +1039,8 @@ def _self_test_fns() -> dict[str, Callable]:
         try:
             attr = _method_attr(kind)
         except AttributeError:
-            attr = "|".join(filter(None, _METHOD_HOOKS[kind]))
-        if attr is None:  # older torch, no hook point of its own: bool/int/float via Tensor.item()
+            attr = hook_row()[kind]
+        if attr is None:  # torch 2.11, no hook point of its own: bool/int/float via Tensor.item()
             if kind != "index":  # operator.index(t) stays a stock graph break there: not tested
                 out[f"{kind}() via TensorVariable.method_item"] = fn
             continue
@@ -1172,6 +1204,71 @@ def profiler_range(name: str) -> Any:
     ``torch.profiler.record_function`` when the fast class is missing.
     """
     return _range_type()(name)
+
+
+def watch_compiles(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
+    """Call ``on_start()`` when Dynamo begins compiling a frame (outermost compile only) and
+    ``on_end()`` when it is done; return ``remove()``.
+
+    NOTE: ``torch._dynamo.callback.callback_handler`` (the registry behind the public
+    ``torch._dynamo.callback.on_compile_start``/``on_compile_end`` decorators, which cannot be
+    unregistered). The callbacks run in the compiling thread.
+    """
+    from torch._dynamo.callback import callback_handler
+
+    def start(_args: Any) -> None:
+        on_start()
+
+    def end(_args: Any) -> None:
+        on_end()
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+
+    def remove() -> None:
+        for unregister, cb in ((callback_handler.remove_start_callback, start),
+                               (callback_handler.remove_end_callback, end)):
+            try:
+                unregister(cb)
+            except ValueError:  # already removed (e.g. torch._dynamo.callback_handler.clear())
+                pass
+
+    return remove
+
+
+def watch_imports(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
+    """Call ``on_start()``/``on_end()`` around each outermost module load; return ``remove()``.
+
+    NOTE: not torch, but the one other monkeypatch of the counter, kept here with the rest: the
+    interpreter's ``import`` statement and ``importlib.import_module`` both load a module that is
+    not in ``sys.modules`` through ``_frozen_importlib._find_and_load`` (looked up on the module at
+    each call in CPython 3.11-3.13), so wrapping that attribute sees every real load, and nothing
+    for modules already loaded.
+    """
+    bootstrap = sys.modules["_frozen_importlib"]
+    original = bootstrap._find_and_load
+    depth = threading.local()
+
+    @functools.wraps(original)
+    def _find_and_load(name: str, import_: Any) -> Any:
+        d = getattr(depth, "n", 0)
+        depth.n = d + 1
+        if d == 0:
+            on_start()
+        try:
+            return original(name, import_)
+        finally:
+            depth.n = d
+            if d == 0:
+                on_end()
+
+    bootstrap._find_and_load = _find_and_load
+
+    def remove() -> None:
+        if bootstrap._find_and_load is _find_and_load:
+            bootstrap._find_and_load = original
+
+    return remove
 
 
 def profiler_enabled() -> bool:
