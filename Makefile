@@ -37,6 +37,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VPY) benchmarks/ab.py
 
+# COMPAT_DIR=/work/compat (env or make variable) reuses venvs built by another checkout.
 test-compat:
 	bash tests/compat.sh
 

@@ -18,19 +18,22 @@
 #
 # Environment knobs:
 #   COMPAT_MATRIX        space-separated TORCH:PY list
-#                        (default "2.13.0:3.11 2.14.1:3.11 2.15.0:3.11 2.15.0:3.12 2.15.0:3.13")
-#   COMPAT_DIR           where venvs/logs live (default <repo>/.compat, git-ignored)
+#                        (default: torch 2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0 on Python 3.11,
+#                        plus 3.12 on 2.11.0 and 2.15.0, and 3.13 on 2.15.0)
+#   COMPAT_DIR           where venvs/logs live (default <repo>/.compat, git-ignored); share
+#                        venvs between checkouts with e.g. COMPAT_DIR=/work/compat
 #   COMPAT_PY<XY>        interpreter to use for Python X.Y, e.g. COMPAT_PY313=/usr/bin/python3.13
 #   COMPAT_SELFTEST      python code of the self-test step (default: run
 #                        torchsync_pass.dynamo_hooks.self_test(verbose=True) and fail
 #                        unless every hook point in its returned dict is True)
 #   COMPAT_PYTEST_ARGS   pytest arguments (shell words), default:
-#                        -q tests -m "not inductor" -k "core or torture or hooks"
+#                        -q tests -m "not inductor" -k "core or torture or hooks or serving"
 #   COMPAT_NO_BUILD=1    do not build missing venvs (report them as "no venv")
 #   COMPAT_ALLOW_NO_TESTS=1  a pytest run that collects no test is not a failure
 #   COMPAT_TIMEOUT       seconds per self-test / pytest step (default 1800)
 #
-# torch pins: /etc/xdg/pip/constraints.txt caps torch<=2.14.1 for this machine.
+# torch pins: torch 2.13.0 has a local CPU wheel here; the others are CUDA builds (~5 GiB each
+# installed) that run on the CPU.  /etc/xdg/pip/constraints.txt caps torch<=2.14.1 for this machine.
 # Only the pip commands run here lift it, via PIP_CONSTRAINT=/dev/null (the env
 # value replaces the config-file value; an empty PIP_CONSTRAINT does not).  The
 # rest of pip.conf (find-links /opt/wheels, extra indexes) stays in force, so
@@ -41,7 +44,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 COMPAT_DIR=${COMPAT_DIR:-$ROOT/.compat}
 LOGS=$COMPAT_DIR/logs
-MATRIX=${COMPAT_MATRIX:-"2.13.0:3.11 2.14.1:3.11 2.15.0:3.11 2.15.0:3.12 2.15.0:3.13"}
+MATRIX=${COMPAT_MATRIX:-"2.11.0:3.11 2.11.0:3.12 2.12.1:3.11 2.13.0:3.11 2.14.1:3.11 2.15.0:3.11 2.15.0:3.12 2.15.0:3.13"}
 [ $# -gt 0 ] && MATRIX="$*"
 # self_test() returns {hook point: fired?} rather than raising, so judge its result: any
 # False entry (or a False/raised result) fails the step.  Prints "SELFTEST <ok>/<total>".
@@ -59,7 +62,7 @@ SELFTEST=${COMPAT_SELFTEST:-$DEFAULT_SELFTEST}
 if [ -n "${COMPAT_PYTEST_ARGS:-}" ]; then
     eval "PYTEST_ARGS=(${COMPAT_PYTEST_ARGS})"
 else
-    PYTEST_ARGS=(-q tests -m "not inductor" -k "core or torture or hooks")
+    PYTEST_ARGS=(-q tests -m "not inductor" -k "core or torture or hooks or serving")
 fi
 STEP_TIMEOUT=${COMPAT_TIMEOUT:-1800}
 BASE_PKGS=(sympy networkx pytest numpy "setuptools>=61" wheel)

@@ -5,6 +5,7 @@ script, which is what explain is measured on:
 
     python tests/real_pipelines.py [--scheduler euler|unipc] [--steps N] [--requests N]
                                    [--backend nosync|none] [--codegen eager|inductor]
+                                   [--compile both|unet|step]
 
 The script compiles the denoiser (``pipe.unet``) and ``pipe.scheduler.step`` with the chosen
 backend and runs ``--requests`` requests of ``--steps`` denoising steps each. The prompt
@@ -92,13 +93,15 @@ def run_request(pipe: object, seed: int, steps: int) -> torch.Tensor:
     return out.images
 
 
-def compile_denoiser_and_step(pipe: object, backend: str, codegen: str) -> None:
-    """Compile ``pipe.unet`` and ``pipe.scheduler.step`` (bound method) in place."""
+def compile_denoiser_and_step(pipe: object, backend: str, codegen: str, what: str = "both") -> None:
+    """Compile ``pipe.unet`` and/or ``pipe.scheduler.step`` (bound method) in place."""
     if backend == "none":
         return
     opts = {"options": {"codegen": codegen}} if backend == "nosync" else {}
-    pipe.unet = torch.compile(pipe.unet, backend=backend, **opts)
-    pipe.scheduler.step = torch.compile(pipe.scheduler.step, backend=backend, **opts)
+    if what in ("both", "unet"):
+        pipe.unet = torch.compile(pipe.unet, backend=backend, **opts)
+    if what in ("both", "step"):
+        pipe.scheduler.step = torch.compile(pipe.scheduler.step, backend=backend, **opts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--backend", default="nosync")
     ap.add_argument("--codegen", default="eager", choices=("eager", "inductor"))
+    ap.add_argument("--compile", default="both", choices=("both", "unet", "step"))
     args = ap.parse_args(argv)
     if args.backend == "nosync":
         import torchsync_pass  # noqa: F401  (source-tree use: registers the backend)
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     pipe = tiny_sd_pipeline(args.scheduler)
-    compile_denoiser_and_step(pipe, args.backend, args.codegen)
+    compile_denoiser_and_step(pipe, args.backend, args.codegen, args.compile)
     for r in range(args.requests):
         t0 = time.perf_counter()
         img = run_request(pipe, seed=r, steps=args.steps)

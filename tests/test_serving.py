@@ -125,3 +125,202 @@ def test_diffusers_unet_timestep_move_is_not_a_sync():
     assert torchsync_pass.SiteKey(path, line) not in c.by_site
     assert "cpu" not in c.by_kind
     assert c.total == 0, c.summary()
+
+
+# --------------------------------------------------------------------------------------------
+# 3. explain's wording
+# --------------------------------------------------------------------------------------------
+class Counter:
+    """A plain object with an int that changes every call (a scheduler's step counter)."""
+
+    def __init__(self):
+        self.w = torch.tensor([1.0, 2.0])
+        self.n = 1
+
+    def step(self, x):
+        if (self.w * self.n).sum() > 3:  # the cone reads the int
+            x = x * 2
+        self.n += 1
+        return x
+
+
+def test_symbolic_decision_on_a_dynamic_int_does_not_say_size():
+    from torchsync_pass import Reason
+
+    c = Counter()
+    step = torch.compile(c.step, backend="nosync", options={"codegen": "eager"})
+    x = torch.ones(2)
+    for _ in range(3):
+        step(x)
+    (dec,) = [d for d in torchsync_pass.decisions() if d.reason is Reason.SYMBOLIC]
+    assert "size" not in dec.detail and "size" not in dec.reason.value
+    assert "L['self'].n is a Python int that Dynamo made dynamic" in dec.detail
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Serving engines: diffusers' compile entry points, and the per-request check
+# --------------------------------------------------------------------------------------------
+def _nosync_graphs() -> int:
+    from torchsync_pass import backend
+
+    return len(backend.compiled_graphs())
+
+
+def _unet_call():
+    from real_pipelines import CROSS_DIM, tiny_unet
+
+    torch.manual_seed(0)
+    unet = tiny_unet()
+    args = (torch.randn(2, 4, 8, 8), torch.tensor(981))
+    kwargs = {"encoder_hidden_states": torch.randn(2, 7, CROSS_DIM)}
+    return unet, args, kwargs
+
+
+@pytest.mark.parametrize("entry", ["compile_repeated_blocks", "module.compile"])
+def test_diffusers_compile_entry_points_take_nosync(entry):
+    pytest.importorskip("diffusers")
+    unet, args, kwargs = _unet_call()
+    with torch.no_grad():
+        ref = unet(*args, **kwargs).sample
+        before = _nosync_graphs()
+        opts = {"backend": "nosync", "options": {"codegen": "eager"}}
+        if entry == "compile_repeated_blocks":
+            unet.compile_repeated_blocks(**opts)  # diffusers' regional compilation
+        else:
+            unet.compile(**opts)  # nn.Module.compile, what pipe.transformer.compile(...) calls
+        outs = [unet(*args, **kwargs).sample for _ in range(2)]
+        with torchsync_pass.count_syncs() as c:  # a warm call: the .to(sample.device) line is no sync
+            outs.append(unet(*args, **kwargs).sample)
+    assert _nosync_graphs() > before  # nosync compiled the graphs
+    assert c.total == 0, c.summary()
+    for out in outs:
+        assert torch.equal(out, ref) and out.stride() == ref.stride()
+
+
+def serve_step(x, token_types):
+    if (token_types == 1).any():  # request-invariant: hoisted
+        x = x + 1
+    return x * 2
+
+
+class Denoiser(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.tensor([True, False]))
+
+    def forward(self, x, scale):
+        if self.mask.any():
+            x = x * scale.item()
+        return x
+
+
+def test_check_request_on_a_function():
+    from torchsync_pass import HoistedValueChanged, check_request
+
+    step = torch.compile(serve_step, backend="nosync", options={"codegen": "eager"})
+    x, a = torch.ones(2), torch.tensor([0, 1])
+    step(x, a)
+    r = check_request(step, x, a)
+    assert (r.ok, r.sites, r.syncs) == (True, 1, 0)  # the memo answers: no sync
+    r = check_request(step, x, token_types=torch.tensor([1, 1]))  # new object, same answer
+    assert (r.ok, r.sites, r.syncs) == (True, 1, 1)
+    b = torch.tensor([0, 0])
+    with pytest.raises(HoistedValueChanged, match=r"(?s)serve_step.*\(token_types == 1\)\.any\(\).*False for this request"):
+        check_request(step, x, b)
+    r = check_request(step, x, b, on_change="report")
+    assert not r.ok and r.changed[0].value is False and r.changed[0].compiled_for == (True,)
+    assert check_request(serve_step, x, a).ok  # the original function names the same frame
+
+
+def test_check_request_on_a_module_and_reset():
+    from torchsync_pass import check_request, guards
+
+    m = Denoiser()
+    cm = torch.compile(m, backend="nosync", options={"codegen": "eager"})
+    x, s = torch.ones(2), torch.tensor(3.0)
+    assert torch.equal(cm(x, s), m(x, s))
+    r = check_request(cm, x, s)
+    assert r.ok and r.sites == 2  # mask.any() and scale.item()
+    r = check_request(cm, x, torch.tensor(4.0), on_change="reset")
+    assert [c.value for c in r.changed] == [4.0]
+    assert guards.checks_for(type(m).forward.__code__) == []  # forgotten: the next call recompiles
+    assert torch.equal(cm(x, torch.tensor(4.0)), m(x, torch.tensor(4.0)))
+
+
+def test_check_request_sees_what_a_guard_dropping_engine_would_miss():
+    """An engine that drops Dynamo's guards (vLLM's guard_filter_fn) calls check_request instead."""
+    from torchsync_pass import HoistedValueChanged, check_request
+
+    step = torch.compile(serve_step, backend="nosync", options={"codegen": "eager"})
+    x = torch.ones(2)
+    step(x, torch.tensor([0, 1]))
+    with pytest.raises(HoistedValueChanged):
+        check_request(step, x, torch.tensor([0, 0]))
+    assert check_request(step, x, torch.tensor([1, 0])).ok
+    with pytest.raises(TypeError):
+        check_request(step, x)  # a call the function would refuse
+
+
+def _explain_json(capsys, *argv):
+    import json
+
+    from torchsync_pass import explain
+
+    rc = explain.main(["--json", *argv])
+    captured = capsys.readouterr()
+    return rc, json.loads(captured.out), captured.err
+
+
+SERVING_DEMO = os.path.join(ROOT, "tests", "scripts", "serving_demo.py")
+
+
+def _demo_line(tag):
+    with open(SERVING_DEMO) as f:
+        (line,) = [i for i, t in enumerate(f, 1) if t.rstrip().endswith(f"# SITE {tag}")]
+    return line
+
+
+def test_explain_sync_inside_an_op_in_an_inlined_helper_is_at_its_line(capsys):
+    rc, rep, _ = _explain_json(capsys, SERVING_DEMO, "--solve")
+    assert rc == 0
+    (s,) = [s for s in rep["sites"] if s["kind"] == "in_op"]
+    assert (s["file"], s["line"], s["line_exact"]) == (SERVING_DEMO, _demo_line("solve"), True)
+    assert s["source"] == "return torch.linalg.solve(R, b)  # SITE solve"
+
+
+def test_explain_says_what_happened_when_nosync_found_no_sync(capsys):
+    from torchsync_pass import explain
+
+    rc, rep, _ = _explain_json(capsys, SERVING_DEMO, "--nosync-no-sync")
+    assert rc == 0 and rep["nosync"] == [] and rep["nosync_graphs"] == 1
+    text = explain.render_text(rep)
+    assert "nosync compiled 1 graph(s) and met no host sync" in text
+    assert "did not run" not in text
+    rc, rep, _ = _explain_json(capsys, SERVING_DEMO)
+    assert rep["nosync_graphs"] == 0
+    assert "(none: the nosync backend did not run)" in explain.render_text(rep)
+
+
+def test_explain_prints_progress_on_long_runs(capsys):
+    rc, rep, err = _explain_json(capsys, "--progress", "0.05", SERVING_DEMO, "--sleep", "0.5")
+    assert rc == 0
+    lines = [ln for ln in err.splitlines() if "host syncs so far" in ln]
+    assert len(lines) >= 3, err
+
+
+def test_profiler_is_off_while_dynamo_compiles_and_back_after(capsys):
+    from torchsync_pass import count_syncs, dynamo_hooks
+
+    seen = []
+
+    def spy_backend(gm, example_inputs):
+        seen.append(dynamo_hooks.profiler_enabled())
+        return gm.forward
+
+    a, b = torch.ones(3), torch.ones(3)
+    with count_syncs() as c:
+        torch.compile(lambda x: x * 2, backend=spy_backend)(a)
+        a[:1]  # user code: the profiler resumes at the next intercepted tensor method call
+        same = torch.equal(a, b)  # seen by the profiler only
+    assert seen == [False]
+    assert same and c.by_kind.get("equal") == 1, c.summary()

@@ -33,6 +33,9 @@ _LAZY = {
     "reset": "backend",
     "keep_nosync_guards": "backend",
     "TORCH_REQUIREMENT": "dynamo_hooks",
+    "check_request": "serving",
+    "RequestCheck": "serving",
+    "HoistedValueChanged": "serving",
 }
 
 __all__ = ["Action", "Decision", "Reason", "SiteKey", "decisions", *sorted(_LAZY)]

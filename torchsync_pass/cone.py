@@ -344,7 +344,7 @@ def analyze_cone(
             return ConeResult(False, Reason.NO_SOURCE, f"input {n.name} has no guardable source")
         syms = symbolic.free_symbols_of(leaf.example, _example(n))
         if leaf.role == "symbolic" or syms:
-            return ConeResult(False, Reason.SYMBOLIC, symbolic.describe(leaf.source, syms))
+            return ConeResult(False, Reason.SYMBOLIC, symbolic.describe(leaf.source, syms, leaf.example))
         if not isinstance(leaf.example, torch.Tensor):
             return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is a {type(leaf.example).__name__}")
         name = dotted_name(leaf.source)

@@ -67,6 +67,7 @@ KINDS = {
     "mask_assign": "x[bool_mask] = v",
     "equal": "torch.equal",
     "masked_select": "masked_select",
+    "in_op": "inside an op (linalg error checks, data-dependent sizes, ...)",
     "local_scalar_dense": "other aten::_local_scalar_dense",
 }
 
@@ -573,13 +574,15 @@ def _record(kind: str, self: torch.Tensor, out: Any, frame: Any) -> None:
         ev = _Event(kind, site, fn, code_key, device, vkey, vrepr)
     for rec in _SESSION.recorders():
         rec._add(ev)
-    _SESSION.maybe_rotate()
+    _SESSION.maybe_rotate(frame)
 
 
 def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self, *args, **kwargs):
         if getattr(_TLS, "depth", 0) or not _SESSION.active:
             return orig(self, *args, **kwargs)
+        if _SESSION.resume_pending:
+            _SESSION.resume(sys._getframe(1))
         kind = _classify(name, self, args, kwargs, sys._getframe(1))
         if kind is None:
             return orig(self, *args, **kwargs)
@@ -674,7 +677,9 @@ class _Profiler:
         return True
 
     def stop(self) -> list[Any]:
-        prof, self.prof = self.prof, None
+        """Stop and return the raw events. NOTE: the events point into the profiler's results:
+        ``self.prof`` keeps them alive until :meth:`release`, after the events were digested."""
+        prof = self.prof
         if prof is None:
             return []
         with _quiet_stderr():
@@ -684,6 +689,9 @@ class _Profiler:
         except Exception:
             log.warning("torchsync_pass: could not read profiler events", exc_info=True)
             return []
+
+    def release(self) -> None:
+        self.prof = None
 
 
 _SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::masked_select"}
@@ -733,10 +741,13 @@ def _py_user_event(name: str) -> tuple[str, int, str] | None:
     return efile, int(m.group(2)), m.group(3)
 
 
+_NAMESPACED = re.compile(r"^(linalg|fft|special|nn)_(\w+)$")
+
+
 def _guess_line(
     efile: str, first: int, fname: str, op: tuple[str, bool] | None
 ) -> tuple[SiteKey, bool]:
-    """The line of ``op(`` in the function that starts at ``efile:first`` (first match).
+    """The line of ``op(`` in the function that starts at ``efile:first`` (exact when only one).
 
     The profiler's Python tracer knows the function, not the line; for syncs only the profiler
     sees (``torch.equal(a, b)``), look for the call in the function's source.
@@ -747,17 +758,24 @@ def _guess_line(
     if op:
         name, function_form = op
         prefix = r"(?:\btorch\.|(?<![.\w]))" if function_form else r"\."
-        pat = re.compile(prefix + re.escape(name) + r"\s*\(")
+        spelled = re.escape(name)
+        ns = _NAMESPACED.match(name) if function_form else None
+        if ns:  # <built-in function linalg_solve> is written torch.linalg.solve(...)
+            spelled = f"(?:{spelled}|{ns.group(1)}\\.{ns.group(2)})"
+        pat = re.compile(prefix + spelled + r"\s*\(")
         lines = linecache.getlines(path)
         if 0 < first <= len(lines):
             head = lines[first - 1]
             indent = len(head) - len(head.lstrip())
+            hits = []
             for i in range(first, len(lines)):
                 text = lines[i]
                 if text.strip() and (len(text) - len(text.lstrip())) <= indent:
                     break
                 if pat.search(text):
-                    return SiteKey(path, i + 1), True
+                    hits.append(i + 1)
+            if hits:  # several calls of the op in the function: the first, marked inexact
+                return SiteKey(path, hits[0]), len(hits) == 1
     return SiteKey(path, first), False
 
 
@@ -832,6 +850,10 @@ def _process_events(raw: list[Any], mode: str) -> tuple[list[_Event], collection
                     if id(outer) not in counted:
                         counted.add(id(outer))
                         kind = _OP_KIND.get(outer.name, "local_scalar_dense")
+                        above = stack[: stack.index(outer)] if outer is not ev else stack
+                        if any(not s.is_py and s.name.startswith("aten::") for s in above):
+                            # e.g. aten::linalg_solve reading its info tensor (aten::item)
+                            kind = "in_op"
                         device = "cpu" if mode == "cpu-as-device" else ""
                         out.append(
                             _Event(kind, site, fn, code_key, device, compile_time=compile_time,
@@ -843,6 +865,40 @@ def _process_events(raw: list[Any], mode: str) -> tuple[list[_Event], collection
     return out, py_calls, cuda
 
 
+_STACK_LINE_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _fx_site(fx_file: str, op: str) -> tuple[SiteKey, str, bool] | None:
+    """The user line of the call of ``op`` in the nosync FX graph whose code is ``fx_file``.
+
+    NOTE: an op run by a compiled graph (nosync's eager codegen runs the FX graph's own Python,
+    ``<eval_with_key>.N``) was traced from a user line that may sit in a function Dynamo inlined;
+    the graph node's ``stack_trace`` keeps that line. Exact when one node calls ``op`` (or all
+    such nodes come from one line).
+    """
+    backend = sys.modules.get(__package__ + ".backend")
+    if backend is None:
+        return None
+    for entry in reversed(backend.compiled_graphs()):
+        gm = entry.get("graph")
+        code = getattr(getattr(gm, "forward", None), "__code__", None)
+        if code is None or code.co_filename != fx_file:
+            continue
+        lines = []
+        for node in gm.graph.nodes:
+            name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+            if node.op in ("call_function", "call_method") and name == op:
+                m = _STACK_LINE_RE.findall(node.meta.get("stack_trace") or "")
+                if m:
+                    lines.append(m[-1])
+        if lines:
+            path, line, fname = lines[0]
+            _KNOWN_FILES.add(path)
+            return SiteKey(path, int(line)), fname, len(set(lines)) == 1
+        return None
+    return None
+
+
 def _attribute(stack: list[_Ev]) -> tuple[SiteKey, str, tuple | None, bool]:
     op = None
     for s in reversed(stack):
@@ -852,6 +908,12 @@ def _attribute(stack: list[_Ev]) -> tuple[SiteKey, str, tuple | None, bool]:
         if m:
             if op is None:
                 op = (m.group(1), " of Tensor object" not in s.name)
+            continue
+        if op is not None and s.name.startswith("<eval_with_key>"):
+            found = _fx_site(s.name.split("(", 1)[0], op[0])
+            if found is not None:
+                site, fname, exact = found
+                return site, fname, None, exact
             continue
         u = _py_user_event(s.name)
         if u is not None:
@@ -873,13 +935,14 @@ PROFILER_CHUNK_S = 20.0
 
 class _Session:
     """NOTE [Profiler chunks]: the profiler's Python tracer records every Python call. Left on
-    while Dynamo and Inductor compile (millions of Python calls), it made explain on a tiny
-    diffusers pipeline take minutes and about 12 GB. So the profiler is stopped (its events
-    digested) when Dynamo starts compiling a frame and restarted when it is done, and a running
-    chunk is digested every ``PROFILER_CHUNK_S`` seconds. The same pause covers module imports
-    (importing diffusers under the tracer alone took 100 s and 7.7 GB). Syncs made while compiling are
-    ``compile_time`` and not in ``total``; the method wrappers still see them. The Python tracer
-    records the frames already on the stack when it starts, so attribution across chunks holds.
+    while Dynamo and Inductor compile, or while modules import (millions of Python calls), it
+    made explain on a tiny diffusers pipeline take minutes and about 12 GB (importing diffusers
+    under the tracer alone: 100 s, 7.7 GB). So the profiler is stopped, its events digested, when
+    Dynamo starts compiling a frame or a module starts loading, and a running chunk is digested
+    every ``PROFILER_CHUNK_S`` seconds. It restarts at the next safe point (see :meth:`resume`);
+    profiler-only syncs (``torch.equal(a, b)``, syncs inside ops) that run before then are not
+    seen, while the method wrappers see theirs throughout. Reads made while compiling are
+    ``compile_time``, not in ``total``.
     """
 
     def __init__(self) -> None:
@@ -890,6 +953,7 @@ class _Session:
         self._unwatch: Callable[[], None] | None = None
         self._paused = 0  # compiles in progress that stopped the profiler
         self._chunk_end = 0.0
+        self.resume_pending = False
         self.active = False
         self.profiling = False
         self.accelerator = False
@@ -925,6 +989,7 @@ class _Session:
                 if unwatch is not None:
                     unwatch()
                 self._paused = 0
+                self.resume_pending = False
             self._restart()
 
     def _watch_compiles(self) -> None:
@@ -932,7 +997,7 @@ class _Session:
         for what, watch in (("Dynamo compiles", dynamo_hooks.watch_compiles),
                             ("module imports", dynamo_hooks.watch_imports)):
             try:
-                removers.append(watch(self._compile_started, self._compile_ended))
+                removers.append(watch(self._paused_by, self._ended))
             except Exception:
                 log.warning("torchsync_pass: could not watch %s; the profiler stays on during them "
                             "(slow, memory-hungry on large programs)", what, exc_info=True)
@@ -943,27 +1008,62 @@ class _Session:
 
         self._unwatch = unwatch
 
-    def _compile_started(self) -> None:
+    def _paused_by(self) -> None:
+        """A Dynamo compile or a module import starts: digest the chunk and stop the profiler."""
         with self._lock:
-            if self._paused or self.profiling:
+            if self._paused or self.profiling or self.resume_pending:
                 self._paused += 1
                 if self._paused == 1:
+                    self.resume_pending = False
                     self._flush()
 
-    def _compile_ended(self) -> None:
+    def _ended(self) -> None:
+        """A compile or import is done: the profiler restarts at the next safe point."""
         with self._lock:
             if self._paused:
                 self._paused -= 1
-                if not self._paused:
-                    self._restart()
+                self.resume_pending = not self._paused
+                if self.resume_pending and sys.getprofile() is None:
+                    # the next Python call outside Dynamo restarts it (see _trampoline)
+                    sys.setprofile(self._trampoline)
 
-    def maybe_rotate(self) -> None:
+    def _trampoline(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or not self.resume_pending:
+            if not self.resume_pending:
+                sys.setprofile(None)
+            return
+        if _is_internal_file(frame.f_code.co_filename) or dynamo_hooks.frame_runs_under_dynamo(frame):
+            return
+        sys.setprofile(None)
+        self.resume(frame)
+
+    def resume(self, frame: Any) -> None:
+        """Restart the paused profiler, if ``frame`` is a safe point.
+
+        NOTE: a safe point is an intercepted tensor method call with neither Dynamo nor a compiled
+        function on the stack (:func:`dynamo_hooks.frame_runs_under_dynamo`): starting the Python
+        tracer from Dynamo's compile callbacks, from the import machinery, or while compiled code
+        ran made the interpreter crash when the tracer stopped.
+        """
+        try:
+            unsafe = dynamo_hooks.frame_runs_under_dynamo(frame)
+        except Exception:
+            unsafe = False
+        if unsafe:
+            return
+        with self._lock:
+            if self.resume_pending and not self._paused:
+                self.resume_pending = False
+                self._restart()
+
+    def maybe_rotate(self, frame: Any) -> None:
         """Digest the running profiler chunk when it is older than ``PROFILER_CHUNK_S``."""
         if self.profiling and time.monotonic() > self._chunk_end:
             with self._lock:
                 if self.profiling and not self._paused:
                     self._flush()
-                    self._restart()
+                    self.resume_pending = True
+            self.resume(frame)
 
     def _restart(self) -> None:
         want = [r for r in self._recs if r.want_profiler]
@@ -990,10 +1090,13 @@ class _Session:
             return
         raw = prof.stop()
         recs = [r for r in self._recs if r.want_profiler]
-        if not raw or not recs:
-            return
-        mode = recs[0].mode
-        events, py_calls, cuda = _process_events(raw, mode)
+        try:
+            if not raw or not recs:
+                return
+            events, py_calls, cuda = _process_events(raw, recs[0].mode)
+        finally:
+            del raw
+            prof.release()
         for r in recs:
             for ev in events:
                 r._add(ev)

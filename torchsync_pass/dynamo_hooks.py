@@ -1271,6 +1271,27 @@ def watch_imports(on_start: Callable[[], None], on_end: Callable[[], None]) -> C
     return remove
 
 
+_DYNAMO_DIR = os.path.join(os.path.dirname(torch.__file__), "_dynamo") + os.sep
+_EVAL_FRAME = _DYNAMO_DIR + "eval_frame.py"
+
+
+def frame_runs_under_dynamo(frame: Any) -> bool:
+    """True when ``frame`` or a caller is Dynamo itself (its frame-evaluation callback, a
+    compile; the ``torch.compile`` wrapper in eval_frame.py excepted) or the import machinery.
+
+    NOTE: starting the profiler's Python tracer with such a frame on the stack crashed the
+    interpreter later, when the tracer was stopped (a segfault, torch 2.13, Python 3.11).
+    """
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith("<frozen importlib") or (
+            name.startswith(_DYNAMO_DIR) and name != _EVAL_FRAME  # the torch.compile wrapper: safe
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def profiler_enabled() -> bool:
     """True while an autograd/Kineto profiler is running in this process.
 

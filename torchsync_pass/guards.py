@@ -319,6 +319,7 @@ def reset(keep_decisions: bool = False) -> None:
     """Forget every site's state and memo, and (unless ``keep_decisions``) the decision records."""
     with _lock:
         _sites.clear()
+        _checks_by_code.clear()
         _recorded.clear()
         _budget_frames.clear()
         _recompiles_seen.clear()
@@ -458,6 +459,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     srcs = [l.source for l in result.leaves]
     mark_hoisted(dataclasses.replace(result, nodes=traced_nodes), owner=(key, fp))
     check = SiteCheck(state, cone, spec, srcs, bits)
+    _register_check(site.frame_code, check)
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r}")
     _record(state, Action.HOISTED, Reason.INVARIANT_CONE,
             "speculated invariant" if result.speculative else "", value,
@@ -783,3 +785,28 @@ def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
         _record(state, Action.DEMOTED, Reason.LEAVES_CHANGE, state.demoted_detail)
         return True
     return False
+
+
+# ----------------------------------------------------------------------------------------------
+# The checks of a compiled frame, for callers that run them themselves (serving.check_request)
+# ----------------------------------------------------------------------------------------------
+_checks_by_code: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def _register_check(frame_code: Any, check: SiteCheck) -> None:
+    """Remember ``check`` under the code object of the frame it guards (weakly: a cache entry that
+    Dynamo frees takes its checks with it)."""
+    if frame_code is None:
+        return
+    with _lock:
+        checks = _checks_by_code.get(frame_code)
+        if checks is None:
+            checks = _checks_by_code[frame_code] = weakref.WeakSet()
+        checks.add(check)
+
+
+def checks_for(frame_code: Any) -> list[SiteCheck]:
+    """The live checks of the cache entries compiled for ``frame_code``, demoted sites excluded."""
+    with _lock:
+        checks = list(_checks_by_code.get(frame_code, ()))
+    return [c for c in checks if c.state.demoted is None]

@@ -48,7 +48,7 @@ class Reason(enum.Enum):
     IMPURE_OP = "the cone contains a random or side-effecting op"
     MUTATION = "a leaf (or a view of it) is written in place before the sync"
     SUBGRAPH = "the value is computed inside a higher-order op subgraph"
-    SYMBOLIC = "the cone depends on symbolic sizes (dynamic shapes)"
+    SYMBOLIC = "the cone depends on a symbolic value (dynamic shapes, or an int Dynamo made dynamic)"
     NO_SOURCE = "a leaf has no guardable source (created inside the step)"
     INFERENCE_TENSOR = "an inference tensor has no _version; declare it in options['invariant'] to hoist"
     TRAINABLE_LEAF = (
