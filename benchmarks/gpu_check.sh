@@ -4,12 +4,12 @@
 #   bash benchmarks/gpu_check.sh              # run (skips cleanly, exit 0, where there is no CUDA)
 #   bash benchmarks/gpu_check.sh --dry-run    # print the plan and the environment, run nothing heavy
 #
-# Steps (total at most GPU_CHECK_BUDGET_S, default 420 s; each step has its own time limit):
-#   0. torch version: the pass supports torch>=2.13,<2.16. On an OLDER torch (the GPU box has
-#      2.11) this script exports TORCHSYNC_PASS_ANY_TORCH=1 for the experiment, skipping the
-#      version check only; the hook self-test still decides whether the pass is on. Every output
-#      (env.txt, summary.txt, ab_cuda.md) then says that the pass ran on an UNSUPPORTED torch.
-#      On torch>=2.13 the variable is unset, so the normal version check applies.
+# Steps (total at most GPU_CHECK_BUDGET_S, default 420 s, so that start-up and the run fit in
+# 8 minutes on an H200; each step has its own time limit):
+#   0. torch version: the pass supports torch>=2.11,<2.16 (the GPU box has 2.11.0). Only OUTSIDE
+#      that range does this script export TORCHSYNC_PASS_ANY_TORCH=1 for an experiment, skipping
+#      the version check only; the hook self-test still decides whether the pass is on. Every
+#      output (env.txt, summary.txt, ab_cuda.md) then says that the pass ran on an UNSUPPORTED torch.
 #   1. install (real CUDA runs only): pip install -e . --no-deps --no-build-isolation --no-index
 #      into $PYTHON's environment, so the torch_dynamo_backends entry point "nosync" is
 #      registered; if that fails, the checkout runs from PYTHONPATH (importing torchsync_pass
@@ -22,12 +22,17 @@
 #      5 timed requests, no guard-overhead step): eager, stock Inductor, hand-hoisted, nosync,
 #      nosync (eager codegen) and the cudagraphs column, with cudaStreamSynchronize counts per
 #      step. ab.py rewrites its JSON after each example, so a run cut by the limit keeps those.
+#   5. per-step CUDA syncs measured two ways (benchmarks/cuda_sync_check.py, limit T_SYNC=100 s):
+#      torch.cuda.set_sync_debug_mode("warn") warnings counted, next to count_syncs() and the
+#      profiler's CUDA runtime counters, for eager / stock Inductor / nosync / nosync+cudagraphs
+#      (SYNC_EXAMPLES, default diffusion-tiny,decode) -> sync_check.md, sync_check.json.
 # Nothing is downloaded: the machine may be offline. Packages come from the image; a missing one
 # can be carried as wheels in <repo>/.whl (installed with --no-index into a private folder).
 # The GPU's settings are never touched.
 #
-# Outputs go to $OUT when set (else <repo>/gpu_check_out), 7 files: env.txt, pytest_cuda.log,
-# ab_cuda.md, ab_cuda.json, ab_cuda.png (if matplotlib), ab_cuda.log, summary.txt.
+# Outputs go to $OUT when set (else <repo>/gpu_check_out), 9 files: env.txt, pytest_cuda.log,
+# ab_cuda.md, ab_cuda.json, ab_cuda.png (if matplotlib), ab_cuda.log, sync_check.md,
+# sync_check.json, summary.txt.
 # Exit status: 0 when every step that ran passed (or there is no CUDA), 1 otherwise, 2 bad usage.
 #
 # Knobs: PYTHON (default: python3, /opt/torch/.venv/bin/python3, .venv/bin/python),
@@ -41,7 +46,7 @@ DRY=0
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $a (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -51,6 +56,8 @@ mkdir -p "$OUTDIR"
 BUDGET="${GPU_CHECK_BUDGET_S:-420}"
 T_ENV=150
 T_TESTS=120
+T_SYNC=100
+SYNC_EXAMPLES="${SYNC_EXAMPLES:-diffusion-tiny,decode}"
 AB_EXAMPLES="${AB_EXAMPLES:-diffusion-tiny,decode,diffusion-large,diffusion-xl,prefill}"
 AB_ARGS="${AB_ARGS:---repeats 5 --no-guard}"
 START=$(date +%s)
@@ -88,14 +95,14 @@ fi
 read -r TORCH_VER OLD_TORCH HAS_CUDA < <("$PY" -c "
 import torch
 v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2])
-print(torch.__version__, int(v < (2, 13)), int(torch.cuda.is_available()))" 2>/dev/null || echo "? 0 0")
+print(torch.__version__, int(not ((2, 11) <= v < (2, 16))), int(torch.cuda.is_available()))" 2>/dev/null || echo "? 0 0")
 if [ "$TORCH_VER" = "?" ]; then
   say "could not import torch with $PY: nothing to check"
   exit 1
 fi
 if [ "$OLD_TORCH" = 1 ]; then
   export TORCHSYNC_PASS_ANY_TORCH=1
-  EXPERIMENT="EXPERIMENT ON AN UNSUPPORTED TORCH: torch $TORCH_VER is older than the supported 2.13-2.15; TORCHSYNC_PASS_ANY_TORCH=1 is set for this experiment (version check skipped; the hook self-test still decides whether the pass is on)"
+  EXPERIMENT="EXPERIMENT ON AN UNSUPPORTED TORCH: torch $TORCH_VER is outside the supported 2.11-2.15; TORCHSYNC_PASS_ANY_TORCH=1 is set for this experiment (version check skipped; the hook self-test still decides whether the pass is on)"
   say "$EXPERIMENT"
 else
   unset TORCHSYNC_PASS_ANY_TORCH
@@ -157,7 +164,7 @@ try:
     if live:
         extra = ""
         if os.environ.get("TORCHSYNC_PASS_ANY_TORCH") == "1":
-            extra = (f" -- UNSUPPORTED torch {torch.__version__} (supported 2.13-2.15), enabled by "
+            extra = (f" -- UNSUPPORTED torch {torch.__version__} (supported 2.11-2.15), enabled by "
                      "TORCHSYNC_PASS_ANY_TORCH=1 for this experiment only")
         print(f"nosync hooks: LIVE ({sum(map(bool, res.values()))}/{len(res)} hook points fired){extra}")
     else:
@@ -185,7 +192,13 @@ if [ "$DRY" = 1 ]; then
   say "dry run: would run (cuda available: $HAS_CUDA, budget ${BUDGET}s, TORCHSYNC_PASS_ANY_TORCH=${TORCHSYNC_PASS_ANY_TORCH:-<unset>}):"
   say "  $PY -m pip install -e $REPO --no-deps --no-build-isolation --no-index   (CUDA runs only)"
   say "  timeout $T_TESTS $PY -m pytest -m cuda -q -p no:cacheprovider --continue-on-collection-errors tests  > $OUTDIR/pytest_cuda.log"
-  say "  timeout <rest of budget> $PY ${AB_CMD[*]}  > $OUTDIR/ab_cuda.md"
+  say "  timeout <rest of budget - ${T_SYNC}s> $PY ${AB_CMD[*]}  > $OUTDIR/ab_cuda.md"
+  say "  timeout $T_SYNC $PY benchmarks/cuda_sync_check.py --examples $SYNC_EXAMPLES --steps 10 --json $OUTDIR/sync_check.json > $OUTDIR/sync_check.md"
+  say "dry run of the sync cross-check on the CPU (code path only, 1 step):"
+  timeout 300 "$PY" benchmarks/cuda_sync_check.py --dry-run --examples diffusion-tiny \
+    > "$OUTDIR/sync_check_dry.md" 2> "$OUTDIR/sync_check_dry.log" \
+    && say "  ok: $(grep -c '^| diffusion' "$OUTDIR/sync_check_dry.md") rows in sync_check_dry.md" \
+    || { say "  FAILED (see sync_check_dry.log)"; exit 1; }
   exit 0
 fi
 if [ "$HAS_CUDA" != 1 ]; then
@@ -208,7 +221,7 @@ else
 fi
 
 # ---- 4. small A/B on CUDA, with the cudagraphs column ----
-T_AB=$(( BUDGET - ($(date +%s) - START) - 10 ))
+T_AB=$(( BUDGET - ($(date +%s) - START) - T_SYNC - 10 ))
 if [ "$T_AB" -lt 30 ]; then
   say "A/B: skipped, only ${T_AB}s of the ${BUDGET}s budget left"; STATUS=1
 else
@@ -225,6 +238,16 @@ else
   elif [ $rc -eq 124 ]; then say "A/B: TIMED OUT after ${T_AB}s (finished examples are in ab_cuda.json; log in ab_cuda.log)"; STATUS=1
   else say "A/B: FAILED (rc $rc, see ab_cuda.log)"; tail -n 5 "$OUTDIR/ab_cuda.log" >&2; STATUS=1; fi
 fi
+
+# ---- 5. per-step CUDA syncs, two independent counts ----
+say "sync cross-check: $SYNC_EXAMPLES (limit ${T_SYNC}s)"
+timeout "$T_SYNC" "$PY" benchmarks/cuda_sync_check.py --examples "$SYNC_EXAMPLES" --steps 10 \
+  --json "$OUTDIR/sync_check.json" > "$OUTDIR/sync_check.md" 2> "$OUTDIR/sync_check.log"
+rc=$?
+cat "$OUTDIR/sync_check.md"
+if [ $rc -eq 0 ]; then say "sync cross-check: done"
+elif [ $rc -eq 124 ]; then say "sync cross-check: TIMED OUT (rows so far in sync_check.json)"; STATUS=1
+else say "sync cross-check: FAILED (rc $rc, see sync_check.log)"; STATUS=1; fi
 
 [ "$MISSING" != 0 ] && say "note: $MISSING optional package(s) missing, see env.txt"
 [ -n "$EXPERIMENT" ] && say "REMINDER: $EXPERIMENT"

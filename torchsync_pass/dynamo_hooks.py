@@ -700,8 +700,8 @@ def _compile_context_try_get() -> Any:
 # torch release (the row of the newest release not newer than the running torch; an experiment
 # with TORCHSYNC_PASS_ANY_TORCH=1 outside the range takes the nearest row). None: that release has
 # no hook point of its own for the kind.
-# - 2.11: BuiltinVariable.call_bool/call_int/call_float call Tensor.item(), so bool(t), int(t),
-#   float(t) and truthiness reach the "item" hook (their sites are labelled "item"), and
+# - 2.11: BuiltinVariable.call_bool/call_int/call_float call Tensor.item(), so bool(t), int(t) and
+#   float(t) reach the "item" hook (which names them bool/int/float, see _builtin_caller_kind), and
 #   operator.index(t) (range(t), seq[t] with a 0-d int tensor) has no hook: it stays a stock graph
 #   break and a sync at every call, and is never hoisted.
 # - 2.12, 2.13: one hook per kind; bool() is ``bool_impl``.
@@ -748,13 +748,32 @@ def _torch_version() -> tuple[int, ...]:
 _fired: dict[str, int] = {}
 
 
+def _builtin_caller_kind(depth: int = 6) -> str:
+    """On torch 2.11 (no hook point for bool/int/float, see HOOK_TABLE) Dynamo's
+    ``BuiltinVariable.call_bool``/``_call_int_float`` trace ``bool(t)``/``int(t)``/``float(t)`` as
+    ``t.item()``: name the sync as the user wrote it. "item" everywhere else."""
+    if hook_row()["int"] is not None:
+        return "item"
+    f = sys._getframe(2)
+    for _ in range(depth):
+        if f is None:
+            break
+        name = f.f_code.co_name
+        if name == "call_bool":
+            return "bool"
+        if name == "_call_int_float":
+            return "float" if getattr(f.f_locals.get("self"), "fn", None) is float else "int"
+        f = f.f_back
+    return "item"
+
+
 def _make_method_hook(attr: str, kind: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def hook(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs:
             return original(self, tx, *args, **kwargs)
         _fired[attr] = _fired.get(attr, 0) + 1
-        ok, value, site = _ask_policy(tx, self, kind)
+        ok, value, site = _ask_policy(tx, self, _builtin_caller_kind() if kind == "item" else kind)
         if ok:
             return _const(tx, value)
         return _stock(site, value, lambda: original(self, tx))
@@ -1206,36 +1225,6 @@ def profiler_range(name: str) -> Any:
     return _range_type()(name)
 
 
-def watch_compiles(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
-    """Call ``on_start()`` when Dynamo begins compiling a frame (outermost compile only) and
-    ``on_end()`` when it is done; return ``remove()``.
-
-    NOTE: ``torch._dynamo.callback.callback_handler`` (the registry behind the public
-    ``torch._dynamo.callback.on_compile_start``/``on_compile_end`` decorators, which cannot be
-    unregistered). The callbacks run in the compiling thread.
-    """
-    from torch._dynamo.callback import callback_handler
-
-    def start(_args: Any) -> None:
-        on_start()
-
-    def end(_args: Any) -> None:
-        on_end()
-
-    callback_handler.register_start_callback(start)
-    callback_handler.register_end_callback(end)
-
-    def remove() -> None:
-        for unregister, cb in ((callback_handler.remove_start_callback, start),
-                               (callback_handler.remove_end_callback, end)):
-            try:
-                unregister(cb)
-            except ValueError:  # already removed (e.g. torch._dynamo.callback_handler.clear())
-                pass
-
-    return remove
-
-
 def watch_imports(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
     """Call ``on_start()``/``on_end()`` around each outermost module load; return ``remove()``.
 
@@ -1276,17 +1265,22 @@ _EVAL_FRAME = _DYNAMO_DIR + "eval_frame.py"
 
 
 def frame_runs_under_dynamo(frame: Any) -> bool:
-    """True when ``frame`` or a caller is Dynamo itself (its frame-evaluation callback, a
-    compile; the ``torch.compile`` wrapper in eval_frame.py excepted) or the import machinery.
+    """True when ``frame`` or a caller is Dynamo itself (a compile, its frame-evaluation
+    callback), a function Dynamo compiled, or the import machinery. The ``torch.compile`` wrapper
+    in eval_frame.py is not Dynamo running: a call into a compiled function passes it first.
 
     NOTE: starting the profiler's Python tracer with such a frame on the stack crashed the
-    interpreter later, when the tracer was stopped (a segfault, torch 2.13, Python 3.11).
+    interpreter later, when the tracer was stopped (a segfault, torch 2.13, Python 3.11). Reads
+    Dynamo's per-code cache (``torch._C._dynamo.eval_frame._debug_get_cache_entry_list``).
     """
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
     while frame is not None:
-        name = frame.f_code.co_filename
-        if name.startswith("<frozen importlib") or (
-            name.startswith(_DYNAMO_DIR) and name != _EVAL_FRAME  # the torch.compile wrapper: safe
-        ):
+        code = frame.f_code
+        name = code.co_filename
+        if name.startswith("<frozen importlib") or (name.startswith(_DYNAMO_DIR) and name != _EVAL_FRAME):
+            return True
+        if _debug_get_cache_entry_list(code):
             return True
         frame = frame.f_back
     return False

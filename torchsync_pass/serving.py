@@ -127,7 +127,7 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
     compares it, bitwise, with the values the compiled code was specialised on.
 
     ``on_change``: ``"raise"`` (default) raises :class:`HoistedValueChanged` when a value changed;
-    ``"reset"`` forgets the compiled code instead (``torch._dynamo.reset()`` and
+    ``"reset"`` forgets the compiled code instead (``torch.compiler.reset()`` and
     ``torchsync_pass.reset()``), so the next call compiles for the new value; ``"report"`` only
     returns the :class:`RequestCheck`. A function nosync hoisted nothing in gives ``sites == 0``.
     """
@@ -152,11 +152,9 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
                 "Dynamo's guards on, or check_request(..., on_change='reset')) or serve this request "
                 "without the compiled function.", report)
         if on_change == "reset":
-            import torch._dynamo
-
             from .backend import reset
 
-            torch._dynamo.reset()
+            torch.compiler.reset()
             reset()
     return report
 
