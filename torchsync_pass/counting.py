@@ -935,14 +935,14 @@ PROFILER_CHUNK_S = 20.0
 
 class _Session:
     """NOTE [Profiler chunks]: the profiler's Python tracer records every Python call. Left on
-    while modules import (millions of Python calls) it made explain on a tiny diffusers pipeline
-    take minutes and about 12 GB (importing diffusers under the tracer alone: 100 s, 7.7 GB). So the
-    profiler is stopped, its events digested, while a module loads, and a running chunk is digested
-    every ``PROFILER_CHUNK_S`` seconds. It restarts at the next safe point (see :meth:`resume`);
-    profiler-only syncs (``torch.equal(a, b)``, syncs inside ops) that run before then are not
-    seen, while the method wrappers see theirs throughout. (Stopping it during Dynamo compiles too
-    was tried: restarting it safely afterwards meant waiting for a call outside every compiled
-    frame, which lost the calls of compiled functions; compiles are left traced.)
+    while Dynamo compiles or modules import (millions of Python calls) it made explain on a tiny
+    diffusers pipeline take minutes and 2-12 GB (importing diffusers under the tracer alone:
+    100 s, 7.7 GB). So the profiler is stopped, its events digested, while Dynamo compiles a frame
+    and while a module loads, and a running chunk is digested every ``PROFILER_CHUNK_S`` seconds.
+    It restarts at the next safe point (see :meth:`resume`); profiler-only syncs
+    (``torch.equal(a, b)``, syncs inside ops) that run before then are not seen, while the method
+    wrappers see theirs throughout. Reads made while compiling are ``compile_time``, not in
+    ``total``.
     """
 
     def __init__(self) -> None:
@@ -968,7 +968,7 @@ class _Session:
             if not self._recs:
                 self.accelerator = _accelerator_available()
                 self._patcher.install()
-                self._watch_imports()
+                self._watch_pauses()
             self._recs.append(rec)
             self.active = True
             self._restart()
@@ -992,15 +992,24 @@ class _Session:
                 self.resume_pending = False
             self._restart()
 
-    def _watch_imports(self) -> None:
-        try:
-            self._unwatch = dynamo_hooks.watch_imports(self._paused_by, self._ended)
-        except Exception:
-            log.warning("torchsync_pass: could not watch module imports; the profiler stays on "
-                        "during them (slow, memory-hungry on large programs)", exc_info=True)
+    def _watch_pauses(self) -> None:
+        removers = []
+        for what, watch in (("Dynamo compiles", dynamo_hooks.watch_compiles),
+                            ("module imports", dynamo_hooks.watch_imports)):
+            try:
+                removers.append(watch(self._paused_by, self._ended))
+            except Exception:
+                log.warning("torchsync_pass: could not watch %s; the profiler stays on during them "
+                            "(slow, memory-hungry on large programs)", what, exc_info=True)
+
+        def unwatch() -> None:
+            for remove in removers:
+                remove()
+
+        self._unwatch = unwatch
 
     def _paused_by(self) -> None:
-        """A module starts loading: digest the chunk and stop the profiler."""
+        """Dynamo starts compiling, or a module starts loading: digest the chunk, stop the profiler."""
         with self._lock:
             if self._paused or self.profiling or self.resume_pending:
                 self._paused += 1
@@ -1009,7 +1018,7 @@ class _Session:
                     self._flush()
 
     def _ended(self) -> None:
-        """The import is done: the profiler restarts at the next safe point."""
+        """The compile or import is done: the profiler restarts at the next safe point."""
         with self._lock:
             if self._paused:
                 self._paused -= 1

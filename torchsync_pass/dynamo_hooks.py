@@ -1225,6 +1225,36 @@ def profiler_range(name: str) -> Any:
     return _range_type()(name)
 
 
+def watch_compiles(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
+    """Call ``on_start()`` when Dynamo begins compiling a frame (outermost compile only) and
+    ``on_end()`` when it is done; return ``remove()``.
+
+    NOTE: ``torch._dynamo.callback.callback_handler`` (the registry behind the public
+    ``torch._dynamo.callback.on_compile_start``/``on_compile_end`` decorators, which cannot be
+    unregistered). The callbacks run in the compiling thread.
+    """
+    from torch._dynamo.callback import callback_handler
+
+    def start(_args: Any) -> None:
+        on_start()
+
+    def end(_args: Any) -> None:
+        on_end()
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+
+    def remove() -> None:
+        for unregister, cb in ((callback_handler.remove_start_callback, start),
+                               (callback_handler.remove_end_callback, end)):
+            try:
+                unregister(cb)
+            except ValueError:  # already removed (e.g. torch._dynamo.callback_handler.clear())
+                pass
+
+    return remove
+
+
 def watch_imports(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
     """Call ``on_start()``/``on_end()`` around each outermost module load; return ``remove()``.
 
