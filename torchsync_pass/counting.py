@@ -1023,28 +1023,15 @@ class _Session:
             if self._paused:
                 self._paused -= 1
                 self.resume_pending = not self._paused
-                if self.resume_pending and sys.getprofile() is None:
-                    # the next Python call outside Dynamo restarts it (see _trampoline)
-                    sys.setprofile(self._trampoline)
-
-    def _trampoline(self, frame: Any, event: str, arg: Any) -> None:
-        if event != "call" or not self.resume_pending:
-            if not self.resume_pending:
-                sys.setprofile(None)
-            return
-        if _is_internal_file(frame.f_code.co_filename) or dynamo_hooks.frame_runs_under_dynamo(frame):
-            return
-        sys.setprofile(None)
-        self.resume(frame)
 
     def resume(self, frame: Any) -> None:
         """Restart the paused profiler, if ``frame`` is a safe point.
 
-        NOTE: a safe point is a Python call (see ``_trampoline``) or an intercepted tensor method
-        call with neither Dynamo, the import machinery nor a compiled function on the stack
+        NOTE: a safe point is an intercepted tensor method call (``.to()``, ``t[i]``, ``.item()``,
+        ...) with neither Dynamo, the import machinery nor a compiled function on the stack
         (:func:`dynamo_hooks.frame_runs_under_dynamo`): starting the Python tracer from Dynamo's
-        compile callbacks, from the import machinery, or while compiled code ran made the
-        interpreter crash when the tracer stopped.
+        compile callbacks, from the import machinery, while compiled code ran, or from a
+        ``sys.setprofile`` callback made the interpreter crash when the tracer stopped.
         """
         try:
             unsafe = dynamo_hooks.frame_runs_under_dynamo(frame)
