@@ -74,6 +74,8 @@ _INPLACE_OPERATORS = {
     operator.imatmul,
 }
 _SAFE_PRIVATE = {"_unsafe_view"}
+# A resume function's stack inputs: values an earlier graph of the frame handed across a break.
+_RESUME_STACK = re.compile(r"L\['___stack\d+'\]")
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class ConeResult:
     nodes: frozenset = frozenset()  # the cone's nodes in the traced graph
 
     default_dtype: Any = None  # torch.get_default_dtype() when traced: int/int division etc.
+    index_pos: Optional[int] = None  # table lifting: position of the int index among the module's inputs
 
     @property
     def fingerprint(self) -> tuple:
@@ -314,8 +317,14 @@ def analyze_cone(
     *,
     declared: Iterable[str] = (),
     in_root_tracer: bool = True,
+    index: Optional[fx.Node] = None,
 ) -> ConeResult:
-    """Decide whether the value of ``node`` may be hoisted; see the module docstring."""
+    """Decide whether the value of ``node`` may be hoisted; see the module docstring.
+
+    ``index``: the placeholder of a host int the cone reads tables at (table lifting, see
+    :mod:`torchsync_pass.tables`). It becomes the module input at ``index_pos`` and is not a leaf;
+    symbolic sizes are then allowed, since the guard re-reads the real tables and index.
+    """
     declared = list(declared)
     if not in_root_tracer:
         return ConeResult(False, Reason.NOT_ROOT_TRACER)
@@ -342,8 +351,10 @@ def analyze_cone(
         leaf = by_node.get(n)
         if leaf is None:
             return ConeResult(False, Reason.NO_SOURCE, f"input {n.name} has no guardable source")
+        if n is index:
+            continue
         syms = symbolic.free_symbols_of(leaf.example, _example(n))
-        if leaf.role == "symbolic" or syms:
+        if leaf.role == "symbolic" or (syms and index is None):
             return ConeResult(False, Reason.SYMBOLIC, symbolic.describe(leaf.source, syms, leaf.example))
         if not isinstance(leaf.example, torch.Tensor):
             return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is a {type(leaf.example).__name__}")
@@ -356,12 +367,14 @@ def analyze_cone(
             return ConeResult(False, Reason.TRAINABLE_LEAF, f"{name} requires grad")
         if leaf.role == "buffer" and name.rsplit(".", 1)[-1] in HIDDEN_WRITTEN_BUFFERS and not decl:
             return ConeResult(False, Reason.HIDDEN_WRITER, f"{name} is a batch-norm running statistic")
+        if _RESUME_STACK.fullmatch(leaf.source) and not decl:
+            return ConeResult(False, Reason.CROSS_BREAK_INPUT, f"{leaf.source} of a resume function")
         if leaf.role not in ("parameter", "buffer") and not decl:
             speculative = True
         infos.append(LeafInfo(leaf.source, name, leaf.role, decl, inference))
         examples.append(leaf.example)
 
-    for n in cone_nodes:
+    for n in cone_nodes if index is None else ():
         if n.op != "placeholder":
             syms = symbolic.free_symbols_of(_example(n))
             if syms:
@@ -376,6 +389,7 @@ def analyze_cone(
         True, Reason.INVARIANT_CONE, "", infos, examples, module=module, speculative=speculative,
         signature=signature(module.graph), nodes=frozenset(cone_nodes),
         default_dtype=torch.get_default_dtype(),
+        index_pos=None if index is None else leaf_nodes.index(index),
     )
 
 

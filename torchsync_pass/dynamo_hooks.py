@@ -432,11 +432,15 @@ class _GuardGroup:
             return _fail_guard
         # Checks that know how to run together (guards.SiteCheck.fuse) share one leaf lookup and
         # a fast path; anything else runs one after the other.
-        fuse = getattr(type(self.checks[0]), "fuse", None) if self.checks else None
-        if fuse is not None and all(type(c) is type(self.checks[0]) for c in self.checks):
-            return fuse(list(self.checks))
-        checks = list(self.checks)
-        return lambda L, G: all(c(L, G) for c in checks)
+        # (a frame with hoisted sites and lifted tables fuses each kind of check separately).
+        by_type: dict[type, list] = {}
+        for c in self.checks:
+            by_type.setdefault(type(c), []).append(c)
+        runners = []
+        for cls, checks in by_type.items():
+            fuse = getattr(cls, "fuse", None)
+            runners.append(fuse(checks) if fuse is not None else _all_of(checks))
+        return runners[0] if len(runners) == 1 else _all_of(runners)
 
     def create_fn(self, check: Callable, description: str) -> Callable[[Any, Any], None]:
         def create(builder: Any, guard: Any) -> None:
@@ -566,6 +570,10 @@ def failure_reason(group_id: int) -> str:
         return group.failure_reason() if group is not None else "nosync: the guards were released by a reset"
     except Exception:  # never break Dynamo's reporting
         return "nosync: a hoisted check failed"
+
+
+def _all_of(checks: list) -> Callable[[Any, Any], bool]:
+    return lambda L, G: all(c(L, G) for c in checks)
 
 
 def add_lambda_guard(site: SyncSite, check: Callable[[Any, Any], bool], description: str) -> None:

@@ -29,6 +29,7 @@ then fail at once, without a sync.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -38,7 +39,7 @@ import struct
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -262,22 +263,29 @@ class ConeState:
         """Run the cone on these leaves: one real sync. Stores the value in the memo."""
         module = self.result.module
         assert module is not None
-        # NOTE: the guard runs after Dynamo's global-state guards passed, so grad mode, default
-        # dtype and autocast (off: cones traced under autocast are rejected) match the trace; the
-        # default dtype is pinned anyway since every cache entry of the cone shares this memo.
+        with self.running():
+            value = _CONVERT[self.kind](module(*leaves))
+        key = value_key(value)
+        return memo.store(leaves, key, value)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """The state the cone runs in: no grad, the traced default dtype, syncs booked to the site.
+
+        NOTE: the guard runs after Dynamo's global-state guards passed, so grad mode, default
+        dtype and autocast (off: cones traced under autocast are rejected) match the trace; the
+        default dtype is pinned anyway since every cache entry of the cone shares this memo.
+        """
         dtype = self.result.default_dtype
         saved = torch.get_default_dtype()
         if dtype is not None and dtype is not saved:
             torch.set_default_dtype(dtype)
         try:
             with torch.no_grad(), guard_site(self.site):
-                out = module(*leaves)
-                value = _CONVERT[self.kind](out)
+                yield
         finally:
             if dtype is not None and dtype is not saved:
                 torch.set_default_dtype(saved)
-        key = value_key(value)
-        return memo.store(leaves, key, value)
 
     def current(self, leaves: tuple, memo: ConeMemo) -> tuple[_Entry, bool]:
         """(entry, synced): the memoized value, or a fresh one computed with one sync."""
@@ -409,6 +417,12 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     _check_declared_names(site, opts)
     result = analyze_cone(site.node, site.leaves, declared=opts.invariant,
                           in_root_tracer=site.in_root_tracer)
+    if result.reason is Reason.SYMBOLIC:  # a table read at a step counter?
+        from . import tables
+
+        lifted = tables.lift(state, site, opts, compile_id)
+        if lifted is not None:
+            return lifted
     if not result.ok:
         _record(state, Action.REJECTED, result.reason, result.detail, compile_id=compile_id)
         return False, _why(result.reason, result.detail)
@@ -586,6 +600,10 @@ MISS_STREAK_DEMOTE = 3
 _FAILURES = itertools.count()
 
 
+def _entry_key(e: _Entry) -> Any:
+    return e.key
+
+
 class SiteCheck:
     """The guard of one cache entry of one site: ``check(L, G) -> bool``, True when unchanged."""
 
@@ -611,6 +629,11 @@ class SiteCheck:
         return self.check_leaves(leaves)
 
     def check_leaves(self, leaves: tuple) -> bool:
+        return self.check_entry(leaves, _entry_key)
+
+    def check_entry(self, leaves: tuple, answer: Callable[[_Entry], Any]) -> bool:
+        """Find (or compute, one sync) the memo entry of ``leaves``; True when ``answer(entry)``
+        is this cache entry's specialised key."""
         state, spec = self.state, self.spec
         compiling = dynamo_hooks.compiling
         # the stock entry compiled after demotion serves this call; but Dynamo's own check of a
@@ -644,7 +667,7 @@ class SiteCheck:
         except Exception:
             log.debug("nosync guard for %s failed; treating as a miss", state.site, exc_info=True)
             return self._fail("the check raised (TORCH_LOGS=+torchsync_pass shows it)")
-        if e.key == spec.key:
+        if answer(e) == spec.key:
             if spec.hits or not compiling():  # demotion asks "hit at call time yet?"
                 spec.hits += 1
             return True

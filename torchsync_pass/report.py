@@ -42,6 +42,10 @@ class Action(enum.Enum):
 class Reason(enum.Enum):
     # HOISTED
     INVARIANT_CONE = "every leaf is request-invariant and the cone is pure"
+    TABLE_LIFTED = (
+        "a pure function of request-invariant tables read at a host int index: answered for every "
+        "index from a host mirror computed once per request"
+    )
     # REJECTED
     NO_TENSOR_LEAF = "the value does not come from a tensor the pass can trace back"
     CONSTANT_LEAF = "depends on a tensor created inside the step (no input leaf to guard on)"
@@ -49,6 +53,13 @@ class Reason(enum.Enum):
     MUTATION = "a leaf (or a view of it) is written in place before the sync"
     SUBGRAPH = "the value is computed inside a higher-order op subgraph"
     SYMBOLIC = "the cone depends on a symbolic value (dynamic shapes, or an int Dynamo made dynamic)"
+    CROSS_BREAK_INPUT = (
+        "a leaf is a value an earlier graph of this frame computed and handed across a graph break: "
+        "new on every call, never speculated"
+    )
+    TABLE_INDEX_OUTSIDE = "the table index is outside the tables (evaluated as eager: same error)"
+    TABLE_STEP_VARYING = "the table answer varies with the index: more distinct answers than max_specializations"
+    TABLE_TOO_LARGE = "the tables are too long to mirror on the host"
     NO_SOURCE = "a leaf has no guardable source (created inside the step)"
     INFERENCE_TENSOR = "an inference tensor has no _version; declare it in options['invariant'] to hoist"
     TRAINABLE_LEAF = (

@@ -50,3 +50,4 @@ def describe(what: str, symbols: Iterable[sympy.Symbol], example: Any = None) ->
     if not names:
         return f"{what} is symbolic"
     return f"{what} has symbolic size(s) {', '.join(names)} (dynamic shapes)"
+
