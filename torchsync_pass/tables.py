@@ -51,8 +51,8 @@ from typing import Any, Callable, Optional
 import networkx as nx
 import torch
 
-from . import dynamo_hooks
-from .cone import ConeResult, analyze_cone, dataflow, dotted_name, mark_hoisted
+from . import _torch_private, dynamo_hooks
+from .cone import ConeResult, _example, analyze_cone, dataflow, dotted_name, mark_hoisted
 from .guards import (
     ConeMemo,
     ConeState,
@@ -212,7 +212,7 @@ def _only_indexes(index: torch.fx.Node, cone: set) -> bool:
         for user in n.users:
             if user not in cone:
                 continue
-            if isinstance(user.meta.get("example_value"), (torch.SymInt, int)):
+            if isinstance(_example(user), (torch.SymInt, int)):
                 todo.append(user)  # int arithmetic: i + 1, len(t) - 1 - i
             elif user.target in _INDEXING:
                 indexed = True
@@ -221,10 +221,18 @@ def _only_indexes(index: torch.fx.Node, cone: set) -> bool:
     return indexed
 
 
+def _int_value(x: Any) -> Optional[int]:
+    """The int a (backed) SymInt stood for when traced, read without adding a guard."""
+    if type(x) is int:
+        return x
+    value = _torch_private.symint_hint(x) if isinstance(x, torch.SymInt) else None
+    return value if type(value) is int else None
+
+
 def lift(state: SiteState, site: dynamo_hooks.SyncSite, opts: Any, compile_id: Optional[str]) -> Optional[tuple[bool, Any]]:
     """Hoist ``site`` as a table read at a host int index; None when the site is not one."""
     index = _index_leaf(site)
-    i = None if index is None else dynamo_hooks.int_hint(index.example)
+    i = None if index is None else _int_value(index.example)
     if index is None or i is None:
         return None
     result = analyze_cone(site.node, site.leaves, declared=opts.invariant,
