@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test torture demo bench explain test-compat clean
+.PHONY: venv test test-real torture demo bench bench-schedulers explain test-compat clean
 
 # The stamp holds the torch pin the venv was built with; another TORCH_PIN reinstalls.
 ifneq ($(shell cat $(STAMP) 2>/dev/null),$(TORCH_PIN))
@@ -31,11 +31,20 @@ TORTURE_CALLS ?= 5000
 torture: $(STAMP)
 	TORCHSYNC_TORTURE_CALLS=$(TORTURE_CALLS) $(VPY) -m pytest -q tests/test_torture.py -m "not inductor"
 
+# The real libraries' own loops (diffusers schedulers, Llama generate), tiny random weights, no hub.
+test-real: $(STAMP)
+	$(VPY) -m pip install -q --disable-pip-version-check -e ".[test,real]"
+	TORCHSYNC_PASS_REAL=1 $(VPY) -m pytest -q tests/real
+
 demo: $(STAMP)
 	$(VPY) -m torchsync_pass.explain examples/diffusion_loop.py
 
 bench: $(STAMP)
 	$(VPY) benchmarks/ab.py
+
+bench-schedulers: $(STAMP)
+	$(VPY) -m pip install -q --disable-pip-version-check -e ".[test,real]"
+	$(VPY) benchmarks/schedulers.py
 
 # COMPAT_DIR=/work/compat (env or make variable) reuses venvs built by another checkout.
 test-compat:

@@ -1,0 +1,120 @@
+"""diffusers' own schedulers with the denoiser and ``scheduler.step`` compiled by nosync.
+
+Acceptance of table lifting on the code users run: Euler-family steps read ``self.sigmas`` at the
+Python int ``_step_index`` and sync on it every step; with nosync (``codegen="eager"``) no steady
+step syncs in the scheduler, the final latents are bitwise equal to eager, and nosync runs no more
+graphs per step and compiles no more graphs than stock Dynamo. With Inductor, the latents are
+bitwise equal to stock Inductor on the hand-hoisted step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+import diffusers_pipeline as dp  # noqa: E402  (examples/ is on sys.path: tests/conftest.py)
+
+import torchsync_pass  # noqa: E402
+from torchsync_pass import Reason  # noqa: E402
+
+pytestmark = pytest.mark.real
+SCHEDULER_DIR = os.path.join("diffusers", "schedulers")
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    dp.quiet_diffusers()
+
+
+def assert_bitwise(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
+def run(kind, scheduler, denoiser, requests=3, steps=6):
+    """Compile the denoiser and scheduler_step with ``kind``; the latents of each request, the
+    scheduler's syncs per step of the last one, and the backend's graph counter."""
+    torch._dynamo.reset()
+    unet = dp.build_unet() if denoiser == "unet" else dp.TinyDenoiser().eval()
+    step, counter = dp.scheduler_step, None
+    if kind != "eager":
+        inner = torchsync_pass.NosyncBackend({"codegen": "eager"}) if kind == "nosync" else "eager"
+        counter = dp.Counting(inner)
+        unet, step = torch.compile(unet, backend=counter), torch.compile(step, backend=counter)
+    sched = dp.make_scheduler(scheduler)
+    outs, sched_syncs, runs = [], [], 0
+    for r in range(requests):
+        runs = counter.runs if counter else 0
+        sched_syncs = []
+        g = torch.Generator().manual_seed(r)
+        latents, text = torch.randn(dp.LATENT, generator=g), torch.randn(dp.TEXT, generator=g)
+        noise_gen = torch.Generator().manual_seed(100 + r)  # Euler and EulerAncestral take one
+        sched.set_timesteps(steps)
+        latents = latents * sched.init_noise_sigma
+        with torch.no_grad():
+            for t in sched.timesteps:
+                with torchsync_pass.count_syncs() as c:
+                    x = sched.scale_model_input(latents, t)
+                    noise = unet(x, t, encoder_hidden_states=text)
+                    latents = step(sched, getattr(noise, "sample", noise), t, latents, noise_gen)
+                sched_syncs.append(sum(n for k, n in c.by_site.items() if SCHEDULER_DIR in k.file))
+        outs.append(latents)
+    graphs_per_request = (counter.runs - runs) if counter else 0
+    return outs, sched_syncs, graphs_per_request, counter.compiled if counter else 0
+
+
+def check_family(scheduler, denoiser):
+    ref, eager_syncs, _, _ = run("eager", scheduler, denoiser)
+    assert max(eager_syncs[2:]) > 0  # the scheduler does sync every step eagerly
+    _, stock_syncs, stock_graphs, stock_compiles = run("stock", scheduler, denoiser)
+    torchsync_pass.reset()
+    outs, syncs, graphs, compiles = run("nosync", scheduler, denoiser)
+    for a, b in zip(outs, ref):
+        assert_bitwise(a, b)
+    assert syncs[2:] == [0] * (len(syncs) - 2), syncs  # steady steps: no scheduler sync at all
+    assert sum(syncs) <= sum(stock_syncs)
+    assert graphs <= stock_graphs and compiles <= stock_compiles
+    assert any(d.reason is Reason.TABLE_LIFTED for d in torchsync_pass.decisions())
+
+
+@pytest.mark.parametrize("scheduler", ["euler"])
+def test_euler_family_step_loses_its_table_syncs(scheduler):
+    check_family(scheduler, "tiny")
+
+
+def test_euler_with_the_unet_compiled_too():
+    check_family("euler", "unet")
+
+
+def euler_hoisted(s, noise, t, latents, generator=None):
+    """EulerDiscreteScheduler.step (epsilon, s_churn=0) with `s_tmin <= sigma <= s_tmax` answered
+    on the host as nosync answers it (True for every index of the default tables)."""
+    if s.step_index is None:
+        s._init_step_index(t)
+    sample = latents.to(torch.float32)
+    sigma = s.sigmas[s.step_index]
+    gamma = min(0.0 / (len(s.sigmas) - 1), 2**0.5 - 1)
+    sigma_hat = sigma * (gamma + 1)
+    pred_original_sample = sample - sigma_hat * noise
+    derivative = (sample - pred_original_sample) / sigma_hat
+    dt = s.sigmas[s.step_index + 1] - sigma_hat
+    prev_sample = sample + derivative * dt
+    s._step_index += 1
+    return prev_sample.to(noise.dtype)
+
+
+@pytest.mark.inductor
+def test_euler_inductor_is_bitwise_equal_to_stock_inductor_on_the_hand_hoisted_step():
+    unet = dp.TinyDenoiser().eval()
+    results = []
+    for step in (torch.compile(euler_hoisted, backend="inductor"),
+                 torch.compile(dp.scheduler_step, backend="nosync")):
+        torch._dynamo.reset()
+        sched = dp.make_scheduler("euler")
+        latents, _ = dp.denoise(unet, step, sched, steps=6, seed=0)
+        results.append(latents)
+    assert_bitwise(results[1], results[0])
+    assert any(d.reason is Reason.TABLE_LIFTED for d in torchsync_pass.decisions())
