@@ -99,7 +99,7 @@ def denoise(unet: Callable, step: Callable, scheduler: Any, steps: int = 8, seed
     takes_generator = "generator" in inspect.signature(scheduler.step).parameters
     noise_gen = torch.Generator().manual_seed(seed + 1) if takes_generator else None
     scheduler.set_timesteps(steps)
-    latents = latents * scheduler.init_noise_sigma
+    latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # flow matching has none
     per_step: list[int] = []
     with torch.no_grad():
         for t in scheduler.timesteps:
