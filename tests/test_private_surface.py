@@ -16,10 +16,6 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "torchsync_pass"
 OWNERS = {"dynamo_hooks.py", "_torch_private.py"}
-# TODO(issue 10): these modules still use private torch names directly and were being changed by
-# other issues (9, 11, 12) when the surface moved; move their names into _torch_private.py and
-# delete them from this list. The test fails when an entry is no longer needed.
-NOT_YET_MOVED = {"backend.py", "cone.py", "counting.py", "guards.py"}
 
 PRIVATE_ATTRS = {"_cdata", "kineto_results", "_dynamo_source", "_is_profiler_enabled", "_RecordFunctionFast"}
 DYNAMO_META_KEYS = {"grapharg", "example_value", "tensor_dict"}
@@ -101,14 +97,9 @@ def test_scanner_ignores_public_names_comments_and_docstrings():
 
 def test_private_torch_names_only_in_their_own_modules():
     found = _modules()
-    outside = {m: uses for m, uses in found.items() if uses and m not in OWNERS | NOT_YET_MOVED}
+    outside = {m: uses for m, uses in found.items() if uses and m not in OWNERS}
     assert not outside, "private torch names outside dynamo_hooks.py/_torch_private.py:\n" + "\n".join(
         f"  {m}:{u}" for m, uses in outside.items() for u in uses
     )
     assert found["_torch_private.py"] and found["dynamo_hooks.py"]  # the owners are scanned too
 
-
-def test_not_yet_moved_list_is_current():
-    found = _modules()
-    cleaned = sorted(m for m in NOT_YET_MOVED if not found.get(m))
-    assert not cleaned, f"no private torch names left in {cleaned}: remove them from NOT_YET_MOVED"

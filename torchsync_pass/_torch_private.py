@@ -1,4 +1,4 @@
-"""Every private torch name that the verifier, the package entry and the symbolic check use.
+"""Every private torch name the package uses outside the Dynamo hook points.
 
 The Dynamo hook points live in :mod:`torchsync_pass.dynamo_hooks` (with its own self-test); the
 rest of the private torch surface is here, one small function per need, so that a new torch
@@ -6,7 +6,9 @@ release is one file's work. ``tests/test_private_surface.py`` fails when a priva
 used anywhere else in the package.
 
 Release table: each name is present, and tests/test_verify.py passes through it, on torch 2.13.0
-(CPU) and 2.14.1 (the ``tests/compat.sh`` venv); not yet checked on 2.11, 2.12 and 2.15.
+(CPU) and 2.14.1 (the ``tests/compat.sh`` venv); not yet checked on 2.11, 2.12 and 2.15. The rows
+from ``lookup_backend`` down (moved here from backend.py, cone.py, counting.py and guards.py) are
+checked on 2.13.0 (CPU) only.
 
 ===============================================================  ==============================
 private name                                                     used by
@@ -22,6 +24,17 @@ private name                                                     used by
 ``torch._logging._internal.register_log``                        :func:`register_log_alias`
 ``torch.utils._pytree.tree_flatten_with_path``                   :func:`children`
 ``torch.utils._pytree.tree_map``                                 :func:`map_leaves`
+``torch._dynamo.backends.registry.lookup_backend``               :func:`lookup_backend`
+``torch._inductor.compile_fx.compile_fx``                        :func:`inductor_compile`
+``torch._inductor.list_mode_options``                            :func:`inductor_mode_options`
+``torch._ops.OpOverload`` / ``OpOverloadPacket``                 :func:`is_op_overload`,
+                                                                 :func:`is_op_packet`
+``torch._ops.HigherOrderOperator``                               :func:`is_higher_order_op`
+``untyped_storage()._cdata``                                     :func:`storage_id`
+``node.meta["example_value"]`` (Dynamo's traced value)           :func:`example_value`
+``profile.kineto_results``                                       :func:`profiler_events`
+``torch._dynamo.utils.counters["nosync"]``                       :func:`nosync_counters`
+``torch._logging.trace_structured``                              :func:`trace_artifact`
 ===============================================================  ==============================
 
 NOTE: :func:`symint_hint` asks ``guarding_hint_or_throw`` only when ``node.hint`` is missing; it
@@ -144,3 +157,70 @@ def map_leaves(fn: Callable[[Any], Any], tree: Any, is_leaf: Callable[[Any], boo
     from torch.utils._pytree import tree_map
 
     return tree_map(fn, tree, is_leaf=is_leaf)
+
+
+def lookup_backend(name: str) -> Callable[..., Any]:
+    """The ``torch.compile`` backend registered as ``name`` (e.g. ``"cudagraphs"``)."""
+    from torch._dynamo.backends.registry import lookup_backend as _lookup
+
+    return _lookup(name)
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, config_patches: dict | None) -> Any:
+    """Inductor's ``compile_fx`` on ``gm`` with ``config_patches``."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """The Inductor config patches that ``torch.compile(mode=mode)`` stands for."""
+    import torch._inductor
+
+    return torch._inductor.list_mode_options(mode)
+
+
+def is_op_overload(t: Any) -> bool:
+    """True for an aten op overload (``torch.ops.aten.add.Tensor``)."""
+    return isinstance(t, torch._ops.OpOverload)
+
+
+def is_op_packet(t: Any) -> bool:
+    """True for an aten op packet (``torch.ops.aten.add``)."""
+    return isinstance(t, torch._ops.OpOverloadPacket)
+
+
+def is_higher_order_op(t: Any) -> bool:
+    """True for a higher-order operator (``cond``, ``while_loop``, ...)."""
+    return isinstance(t, torch._ops.HigherOrderOperator)
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """An id of the storage behind ``t``, equal for views of the same storage."""
+    return t.untyped_storage()._cdata
+
+
+def example_value(node: torch.fx.Node) -> Any:
+    """The (fake) value Dynamo traced ``node`` with, else its ``val``; None when neither is set."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def profiler_events(prof: Any) -> list[Any]:
+    """The raw kineto events of a stopped ``torch.autograd.profiler.profile``."""
+    return list(prof.kineto_results.events())
+
+
+def nosync_counters() -> Any:
+    """``torch._dynamo.utils.counters["nosync"]``, the package's counters."""
+    from torch._dynamo.utils import counters
+
+    return counters["nosync"]
+
+
+def trace_artifact(name: str, payload_fn: Callable[[], str]) -> None:
+    """Write a JSON artifact ``name`` to the structured trace (``TORCH_TRACE``)."""
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": "json"},
+        payload_fn=payload_fn,
+    )

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import cone, dynamo_hooks, guards
+from . import _torch_private, cone, dynamo_hooks, guards
 from .invariant import DEFAULT_CACHE_BYTES, cache_invariant
 from .errors import NosyncError, NosyncOptionsError
 from .report import DECISIONS, Action
@@ -277,20 +277,14 @@ def keep_nosync_guards(guard_filter_fn: Callable[[list], list]) -> Callable[[lis
 def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode: Optional[str]) -> Callable:
     if opts.codegen == "eager":
         if opts.cudagraphs:
-            from torch._dynamo.backends.registry import lookup_backend
-
-            return lookup_backend("cudagraphs")(gm, example_inputs)
+            return _torch_private.lookup_backend("cudagraphs")(gm, example_inputs)
         return cache_invariant(gm, opts).fn
-    from torch._inductor.compile_fx import compile_fx
-
     patches: dict[str, Any] = {}
     if mode is not None and mode != "default":
-        import torch._inductor
-
-        patches.update(torch._inductor.list_mode_options(mode))
+        patches.update(_torch_private.inductor_mode_options(mode))
     if opts.cudagraphs:
         patches["triton.cudagraphs"] = True
-    return compile_fx(gm, example_inputs, config_patches=patches or None)
+    return _torch_private.inductor_compile(gm, example_inputs, patches or None)
 
 
 def _check_cudagraphs(gm: torch.fx.GraphModule, example_inputs: list, compile_id: Optional[str]) -> None:

@@ -47,7 +47,7 @@ import networkx as nx
 import torch
 from torch import fx
 
-from . import symbolic
+from . import _torch_private, symbolic
 from .report import Reason
 
 log = logging.getLogger(__name__)
@@ -136,9 +136,9 @@ def _target_name(node: fx.Node) -> str:
 
 def is_random(node: fx.Node) -> bool:
     t = node.target
-    if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
+    if _torch_private.is_op_overload(t) and torch.Tag.nondeterministic_seeded in t.tags:
         return True
-    if isinstance(t, torch._ops.OpOverloadPacket):
+    if _torch_private.is_op_packet(t):
         if any(torch.Tag.nondeterministic_seeded in getattr(t, o).tags for o in t.overloads()):
             return True
     return bool(_RANDOM_RE.search(_target_name(node)))
@@ -255,9 +255,9 @@ def written_nodes(node: fx.Node) -> list[fx.Node]:
         written += _nodes_in(first)  # add_, fill_, _foreach_add_ (a list of tensors)
     if _inplace_flag(node):
         written += _nodes_in(first)
-    if isinstance(t, torch._ops.OpOverload):
+    if _torch_private.is_op_overload(t):
         written += _schema_writes(t._schema, node)
-    elif isinstance(t, torch._ops.OpOverloadPacket):
+    elif _torch_private.is_op_packet(t):
         for overload in t.overloads():
             written += _schema_writes(getattr(t, overload)._schema, node)
     return written + hidden_written_nodes(node)
@@ -278,7 +278,7 @@ def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
     if node.op not in ("call_function", "call_method"):
         return None
     t = node.target
-    if isinstance(t, torch._ops.HigherOrderOperator):
+    if _torch_private.is_higher_order_op(t):
         return Reason.SUBGRAPH, f"higher-order op {name}"
     if is_random(node):
         return Reason.IMPURE_OP, f"random op {name}"
@@ -292,14 +292,14 @@ def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
 def _storage_key(value: Any) -> Optional[int]:
     if isinstance(value, torch.Tensor):
         try:
-            return value.untyped_storage()._cdata
+            return _torch_private.storage_id(value)
         except Exception:
             return None
     return None
 
 
 def _example(node: fx.Node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val"))
+    return _torch_private.example_value(node)
 
 
 def dataflow(graph: fx.Graph) -> nx.DiGraph:

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import dynamo_hooks
+from . import _torch_private, dynamo_hooks
 from .guards import value_key
 from .report import SiteKey, current_guard_site
 
@@ -685,7 +685,7 @@ class _Profiler:
         with _quiet_stderr():
             prof.__exit__(None, None, None)
         try:
-            return list(prof.kineto_results.events())
+            return _torch_private.profiler_events(prof)
         except Exception:
             log.warning("torchsync_pass: could not read profiler events", exc_info=True)
             return []

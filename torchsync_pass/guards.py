@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import dynamo_hooks
+from . import _torch_private, dynamo_hooks
 from .cone import ConeResult, analyze_cone, hidden_writes_to_hoisted, mark_hoisted
 from .errors import NosyncOptionsError
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
@@ -55,9 +55,7 @@ MAX_LIST_LEN = 1024
 
 
 def counters() -> Any:
-    from torch._dynamo.utils import counters as c
-
-    return c["nosync"]
+    return _torch_private.nosync_counters()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,11 +377,7 @@ def _trace_structured(d: Decision) -> None:
     try:
         import json
 
-        torch._logging.trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": "nosync_decision", "encoding": "json"},
-            payload_fn=lambda: json.dumps(d.to_json()),
-        )
+        _torch_private.trace_artifact("nosync_decision", lambda: json.dumps(d.to_json()))
     except Exception:  # structured tracing is best effort
         log.debug("nosync: trace_structured failed", exc_info=True)
 
