@@ -27,7 +27,7 @@ from .invariant import DEFAULT_CACHE_BYTES, cache_invariant
 from .errors import NosyncError, NosyncOptionsError
 from .report import DECISIONS, Action
 
-log = logging.getLogger("torchsync_pass")
+log = logging.getLogger(__name__)
 
 CODEGENS = ("inductor", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

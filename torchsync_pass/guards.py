@@ -48,7 +48,7 @@ from .cone import ConeResult, analyze_cone, hidden_writes_to_hoisted, mark_hoist
 from .errors import NosyncOptionsError
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
 
-log = logging.getLogger("torchsync_pass")
+log = logging.getLogger(__name__)
 
 MEMO_SIZE = 8
 MAX_LIST_LEN = 1024
