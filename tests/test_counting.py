@@ -279,3 +279,44 @@ def test_cuda_counts_runtime_syncs_and_host_local_reads():
     assert sum(c.host_local.values()) == 1
     assert c.cuda.total >= 2
     assert c.cuda.dtoh_memcpy >= 2
+
+
+def _scaled(x, k):
+    return x * k + 1
+
+
+def _compiles_inside_a_compiled_region(x, k):
+    y = x + 1
+    torch._dynamo.graph_break()
+    z = torch.compile(_scaled, backend="eager")(y, k)  # a new k compiles: the profiler pauses
+    s = (z > 0).sum().item()  # an intercepted sync in compiled (resumed) code
+    return z * s
+
+
+def test_profiler_never_restarted_inside_a_compiled_region(monkeypatch):
+    # NOTE [Compiled regions] in dynamo_hooks.frame_runs_under_dynamo: a restart in the resumed
+    # compiled code corrupted the heap (segfaults in benchmarks/schedulers.py after LMS).
+    import sys
+
+    from torchsync_pass import counting
+
+    starts = []
+    orig = counting._Profiler.start
+
+    def start(self):
+        frame, names = sys._getframe(1), []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        starts.append(names)
+        return orig(self)
+
+    monkeypatch.setattr(counting._Profiler, "start", start)
+    f = torch.compile(_compiles_inside_a_compiled_region, backend="eager")
+    for k in range(3):
+        with count_syncs() as c:
+            f(torch.ones(4), k)
+        assert c.by_kind["item"] == 1, c.summary()
+    inside = [s for s in starts if any(n.startswith("torch_dynamo_resume_in_")
+                                       or n == "_compiles_inside_a_compiled_region" for n in s)]
+    assert len(starts) >= 3 and not inside, inside

@@ -1028,15 +1028,17 @@ class _Session:
         """Restart the paused profiler, if ``frame`` is a safe point.
 
         NOTE: a safe point is an intercepted tensor method call (``.to()``, ``t[i]``, ``.item()``,
-        ...) with neither Dynamo, the import machinery nor a compiled function on the stack
+        ...) with neither Dynamo, the import machinery nor a compiled function (nor the output
+        code of one: see NOTE [Compiled regions]) on the stack
         (:func:`dynamo_hooks.frame_runs_under_dynamo`): starting the Python tracer from Dynamo's
         compile callbacks, from the import machinery, while compiled code ran, or from a
         ``sys.setprofile`` callback made the interpreter crash when the tracer stopped.
         """
         try:
             unsafe = dynamo_hooks.frame_runs_under_dynamo(frame)
-        except Exception:
-            unsafe = False
+        except Exception:  # unknown is unsafe: a restart inside a compiled region corrupts the heap
+            log.debug("torchsync_pass: could not check the stack for a safe point", exc_info=True)
+            unsafe = True
         if unsafe:
             return
         with self._lock:

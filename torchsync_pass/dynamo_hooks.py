@@ -1310,15 +1310,27 @@ def frame_runs_under_dynamo(frame: Any) -> bool:
     NOTE: starting the profiler's Python tracer with such a frame on the stack crashed the
     interpreter later, when the tracer was stopped (a segfault, torch 2.13, Python 3.11). Reads
     Dynamo's per-code cache (``torch._C._dynamo.eval_frame._debug_get_cache_entry_list``).
+
+    NOTE [Compiled regions]: a frame that runs a compiled function runs Dynamo's *output* code
+    (``frame.f_code`` is the transformed code object, which has no cache entries of its own);
+    ``torch._dynamo.utils.orig_code_map`` maps each output code to the code it was compiled from.
+    A profiler stopped (for the compile of the code after a graph break) and restarted by an
+    intercepted sync in that resumed compiled code corrupted the heap: segfaults later, in guard
+    evaluation or in ``_disable_profiler``, or ``munmap_chunk(): invalid pointer``, also with
+    ``with_stack=False`` (torch 2.13, Python 3.11; ``benchmarks/schedulers.py`` crashed in 5 runs
+    of 6 before this check, in none of 4 after). The likely mechanism: Dynamo's C frame evaluator
+    wraps each run of output code in a ``RecordFunction`` ("Torch-Compiled Region: i/j") whose
+    end callback writes into the event of the profiler that was running when it began.
     """
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import orig_code_map
 
     while frame is not None:
         code = frame.f_code
         name = code.co_filename
         if name.startswith("<frozen importlib") or (name.startswith(_DYNAMO_DIR) and name != _EVAL_FRAME):
             return True
-        if _debug_get_cache_entry_list(code):
+        if code in orig_code_map or _debug_get_cache_entry_list(code):
             return True
         frame = frame.f_back
     return False
