@@ -224,3 +224,27 @@ def test_values_handed_across_a_break_are_never_speculated():
     assert Reason.CROSS_BREAK_INPUT in reasons
     assert Action.DEMOTED not in {d.action for d in torchsync_pass.decisions()}
     assert len(backend.compiled) <= stock.frame_count
+
+
+def decreasing(s, x):
+    # the mirror runs this cone at every index of sigmas; at the last, sigmas[i + 1] is past the end
+    if s.sigmas[s._step_index] > s.sigmas[s._step_index + 1]:
+        x = x * 2
+    else:
+        x = x + 1
+    s._step_index += 1
+    return x
+
+
+def test_mirror_is_silent_at_indices_past_a_tables_end(capfd):
+    f, _ = compile_nosync(decreasing)
+    for _ in range(2):
+        out, syncs = run_request(f, Sched(), 8)
+        ref, _ = run_request(decreasing, Sched(), 8)
+        assert_bitwise(out, ref)
+        assert syncs[2:] == [0] * 6
+    (d,) = lifted()
+    assert d.action is Action.HOISTED
+    err = capfd.readouterr().err
+    # torch.fx's GraphModule.__call__ printed this for the expected IndexError at the last index
+    assert "FX-traced Module" not in err and "IndexError" not in err, err

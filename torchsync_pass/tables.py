@@ -123,7 +123,10 @@ def evaluate_mirror(module: torch.fx.GraphModule, index_pos: int, kind: str, tab
         args = list(tables)
         args.insert(index_pos, i)
         try:
-            out = module(*args)
+            # NOTE: forward, not module(...): GraphModule.__call__ prints a "Call using an
+            # FX-traced Module ... <--- HERE" traceback to stderr for every exception, and an
+            # index past a table's end (``sigmas[i + 1]`` at the last i) is expected here.
+            out = module.forward(*args)
         except Exception:  # IndexError and the like: no answer here; the trace will see eager's error
             continue
         if not isinstance(out, torch.Tensor) or out.is_complex():
