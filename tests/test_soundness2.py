@@ -67,47 +67,15 @@ def syncs_per_call(fn, calls) -> list[int]:
 # --------------------------------------------------------------------------------------------
 # 6. Memory across model reloads
 # --------------------------------------------------------------------------------------------
-class Layer(nn.Module):
-    def __init__(self, i: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.register_buffer("scale", torch.tensor(float(i % 3 + 1)))
+def _reload_memory():
+    """benchmarks/reload_memory.py: its model (one hoisted sync per layer) and its live-object census."""
+    import importlib.util
 
-    def forward(self, x):
-        if self.scale.item() > 1.5:  # a hoisted sync per layer
-            x = x * 2
-        return self.lin(x)
-
-
-class Stack(nn.Module):
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Layer(i) for i in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-def live_objects() -> dict[str, int]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from torchsync_pass.guards import SiteCheck
-
-    gc.collect()
-    out = {"FakeTensorMode": 0, "SiteCheck": 0, "GraphModule": 0, "guard group with checks": 0}
-    for o in gc.get_objects():
-        t = type(o)
-        if t is FakeTensorMode:
-            out["FakeTensorMode"] += 1
-        elif t is SiteCheck:
-            out["SiteCheck"] += 1
-        elif t is dynamo_hooks._GuardGroup and o.checks:
-            out["guard group with checks"] += 1
-        elif isinstance(o, torch.fx.GraphModule):
-            out["GraphModule"] += 1
-    return out
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "reload_memory.py")
+    spec = importlib.util.spec_from_file_location("benchmarks_reload_memory", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_reload_cycles_free_guards_cones_and_graphs():
@@ -117,10 +85,12 @@ def test_reload_cycles_free_guards_cones_and_graphs():
     alive after reset; the closure then holds an empty, released group and nothing else.
     benchmarks/reload_memory.py measures the full 40 cycles x 40 layers and RSS against eager.
     """
-    x = torch.randn(2, 8)
+    bench = _reload_memory()
+    live_objects = bench.live
+    x = torch.randn(2, 16)
 
     def cycle(check: bool = False):
-        model = Stack(6).eval()
+        model = bench.Model(6).eval()
         step = torch.compile(model, backend="nosync", options=EAGER)
         with torch.no_grad():
             for _ in range(2):
@@ -134,7 +104,7 @@ def test_reload_cycles_free_guards_cones_and_graphs():
     for _ in range(8):
         cycle()
     after = live_objects()
-    assert after["SiteCheck"] == 0 and after["guard group with checks"] == 0, after
+    assert after["SiteCheck"] == 0 and after["guard groups with checks"] == 0, after
     assert after["GraphModule"] - before["GraphModule"] <= 2, (before, after)
     assert after["FakeTensorMode"] - before["FakeTensorMode"] <= 1, (before, after)
     # the records survive a reset, their graphs do not
