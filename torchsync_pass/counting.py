@@ -74,9 +74,7 @@ KINDS = {
 _MAX_VALUES = 64  # distinct values remembered per site
 _MAX_HASHED_NUMEL = 4096  # larger results are not hashed (their values count as unknown)
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_RESUME_RE = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 _BUILTIN_RE = re.compile(r"^<built-in (?:method|function) (\w+)")
 _PY_EVENT_RE = re.compile(r"^(.*)\((\d+)\): (.+)$")
 
@@ -265,7 +263,7 @@ class SyncCounts:
             if st._code_key is None:
                 continue
             filename, first, name = st._code_key
-            m = _RESUME_RE.match(name)
+            m = dynamo_hooks.RESUME_RE.match(name)
             if m:  # a Dynamo resume function: count calls of the function it resumes
                 name, first = m.group(1), None
             cands = [
@@ -354,7 +352,7 @@ class _Event:
 
 def _is_internal_file(filename: str) -> bool:
     return (
-        filename.startswith(_TORCH_DIR)
+        filename.startswith(dynamo_hooks.TORCH_DIR)
         or filename.startswith(_OWN_DIR)
         or filename.startswith("<eval_with_key>")
         or filename == dynamo_hooks.SELF_TEST_FILE
@@ -370,7 +368,7 @@ def _user_frame(frame: Any) -> Any:
 
 def _function_name(code: Any) -> str:
     name = getattr(code, "co_qualname", code.co_name)
-    m = _RESUME_RE.match(code.co_name)
+    m = dynamo_hooks.RESUME_RE.match(code.co_name)
     return m.group(1) if m else name
 
 
@@ -735,7 +733,7 @@ def _py_user_event(name: str) -> tuple[str, int, str] | None:
         efile.startswith(("torch/", "torchsync_pass/", "<"))
         or "/torch/" in efile
         or efile.startswith(_OWN_DIR)
-        or efile.startswith(_TORCH_DIR)
+        or efile.startswith(dynamo_hooks.TORCH_DIR)
     ):
         return None
     return efile, int(m.group(2)), m.group(3)

@@ -38,6 +38,7 @@ import linecache
 import logging
 import operator
 import os
+import re
 import sys
 import threading
 import types
@@ -214,7 +215,10 @@ def leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
     return _leaf_of(node)
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# Files under TORCH_DIR are torch's own Python; RESUME_RE matches the code objects Dynamo makes for
+# the rest of a frame after a graph break (group 1: the original function's name).
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+RESUME_RE = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 
 
 def _user_translator(tx: Any) -> Any:
@@ -225,7 +229,7 @@ def _user_translator(tx: Any) -> Any:
     that context; the site is where the user's code called into it.
     """
     t = tx
-    while t is not None and t.f_code.co_filename.startswith(_TORCH_DIR):
+    while t is not None and t.f_code.co_filename.startswith(TORCH_DIR):
         t = getattr(t, "parent", None)
     return t if t is not None else tx
 
@@ -677,7 +681,7 @@ def graph_break_context(gm: torch.fx.GraphModule) -> Optional[str]:
     if reason is None:
         return None
     for frame in getattr(reason, "user_stack", None) or ():
-        if str(getattr(frame, "name", "")).startswith("torch_dynamo_resume_in_"):
+        if RESUME_RE.match(str(getattr(frame, "name", ""))):
             return f"it resumes after a graph break ({frame.filename}:{frame.lineno})"
     if getattr(reason, "graph_break", False):
         where = reason.user_stack[-1] if reason.user_stack else None
@@ -912,7 +916,7 @@ def disabled_reason() -> Optional[str]:
 
 
 def _unsupported_reason() -> Optional[str]:
-    ver = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    ver = _torch_version()
     lo, hi = SUPPORTED_TORCH
     if os.environ.get("TORCHSYNC_PASS_ANY_TORCH") == "1":
         # Experiments only (e.g. a GPU box whose torch is older): the self-test still decides.

@@ -46,7 +46,6 @@ from .report import DECISIONS, Decision, SiteKey
 log = logging.getLogger(__name__)
 
 PROG = "python -m torchsync_pass.explain"
-_RESUME_RE = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
 _SYNC_REASON_RE = re.compile(
     r"item\(\)|tolist|data.dependent|generic_jump|nonzero|dynamic output shape|"
     r"_local_scalar_dense|__bool__|\.numpy\(\)|torch\.equal|Tensor\.equal",
@@ -214,6 +213,8 @@ class _CompileWatcher:
 def _group(metrics: list[Any], breaks: list[GraphBreak]) -> list[CompiledFunction]:
     funcs: dict[tuple, CompiledFunction] = {}
     by_cid: dict[str, CompiledFunction] = {}
+    from .dynamo_hooks import RESUME_RE as _RESUME_RE
+
     # originals first so resume functions find their function's first line
     ordered = sorted(metrics, key=lambda m: bool(_RESUME_RE.match(m.co_name or "")))
     for m in ordered:

@@ -496,7 +496,7 @@ def _check_declared_names(site: dynamo_hooks.SyncSite, opts: Any) -> None:
     reach: no such argument, or a dotted path whose attribute does not exist (a typo would
     otherwise just leave the site speculated or rejected). With ``strict``, raise instead."""
     code = site.frame_code
-    if not opts.invariant or code is None or code.co_name.startswith("torch_dynamo_resume_in_"):
+    if not opts.invariant or code is None or dynamo_hooks.RESUME_RE.match(code.co_name):
         return
     nargs = code.co_argcount + code.co_kwonlyargcount
     args = code.co_varnames[:nargs]
