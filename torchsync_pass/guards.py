@@ -414,7 +414,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     if result.reason is Reason.SYMBOLIC:  # a table read at a step counter?
         from . import tables
 
-        lifted = tables.lift(state, site, opts, compile_id)
+        lifted = tables.lift(state, site, opts, compile_id, key)
         if lifted is not None:
             return lifted
     if not result.ok:

@@ -43,6 +43,7 @@ a mirror instead of one value). It touches no Dynamo internals.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from dataclasses import dataclass
@@ -232,8 +233,12 @@ def _int_value(x: Any) -> Optional[int]:
     return value if type(value) is int else None
 
 
-def lift(state: SiteState, site: dynamo_hooks.SyncSite, opts: Any, compile_id: Optional[str]) -> Optional[tuple[bool, Any]]:
-    """Hoist ``site`` as a table read at a host int index; None when the site is not one."""
+def lift(state: SiteState, site: dynamo_hooks.SyncSite, opts: Any, compile_id: Optional[str],
+         site_key: tuple) -> Optional[tuple[bool, Any]]:
+    """Hoist ``site`` as a table read at a host int index; None when the site is not one.
+
+    ``site_key`` is guards.decide's key of the site, under which hidden writers find it.
+    """
     index = _index_leaf(site)
     i = None if index is None else _int_value(index.example)
     if index is None or i is None:
@@ -246,6 +251,7 @@ def lift(state: SiteState, site: dynamo_hooks.SyncSite, opts: Any, compile_id: O
         return None  # a function of the int alone: nothing to mirror
     tables = tuple(result.leaf_examples)
     result.leaf_examples = []  # weak references only (see guards.decide)
+    traced_nodes, result.nodes = result.nodes, frozenset()  # nor the traced graph (ditto)
     cone, fp = _cone_state(state, site, result, index.source)
     bits = bits_state()
     try:
@@ -276,7 +282,7 @@ def lift(state: SiteState, site: dynamo_hooks.SyncSite, opts: Any, compile_id: O
         spec = Spec(value, key)
         cone.specs[key] = spec
     cone.last_spec = spec
-    mark_hoisted(result, owner=((site.file, site.line, site.col), fp))
+    mark_hoisted(dataclasses.replace(result, nodes=traced_nodes), owner=(site_key, fp))
     check = TableCheck(state, cone, spec, [l.source for l in result.leaves], bits)
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r} at {name}")
     detail = (f"lifted over {name} in 0..{len(mirror.keys) - 1}: {len(distinct)} distinct answer(s)"
