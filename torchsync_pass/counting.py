@@ -579,9 +579,10 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self, *args, **kwargs):
         if getattr(_TLS, "depth", 0) or not _SESSION.active:
             return orig(self, *args, **kwargs)
+        frame = sys._getframe(1)
         if _SESSION.resume_pending:
-            _SESSION.resume(sys._getframe(1))
-        kind = _classify(name, self, args, kwargs, sys._getframe(1))
+            _SESSION.resume(frame)
+        kind = _classify(name, self, args, kwargs, frame)
         if kind is None:
             return orig(self, *args, **kwargs)
         _TLS.depth = 1
@@ -591,7 +592,7 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
                     out = orig(self, *args, **kwargs)
             else:
                 out = orig(self, *args, **kwargs)
-            _record(kind, self, out, sys._getframe(1))
+            _record(kind, self, out, frame)
         finally:
             _TLS.depth = 0
         return out

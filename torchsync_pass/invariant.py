@@ -61,7 +61,6 @@ This module only builds new graphs; it never mutates the graph it is given.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -283,7 +282,6 @@ class InvariantRunner:
         self.size = size
         self.memos = {True: ConeMemo((False,) * len(leaf_index), size),
                       False: ConeMemo((False,) * len(leaf_index), size)}
-        self.lock = threading.Lock()
 
     def values(self, args: tuple) -> tuple:
         leaves = tuple(args[i] for i in self.leaf_index)
