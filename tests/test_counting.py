@@ -294,7 +294,7 @@ def _compiles_inside_a_compiled_region(x, k):
 
 
 def test_profiler_never_restarted_inside_a_compiled_region(monkeypatch):
-    # NOTE [Compiled regions] in dynamo_hooks.frame_runs_under_dynamo: a restart in the resumed
+    # NOTE [Compiled regions] in _torch_private.frame_runs_under_dynamo: a restart in the resumed
     # compiled code corrupted the heap (segfaults in benchmarks/schedulers.py after LMS).
     import sys
 

@@ -321,18 +321,18 @@ def test_explain_prints_progress_on_long_runs(capsys):
 
 
 def test_profiler_is_off_while_a_module_imports_and_back_after(tmp_path, monkeypatch):
-    from torchsync_pass import count_syncs, dynamo_hooks
+    from torchsync_pass import _torch_private, count_syncs
 
     (tmp_path / "heavy_module_for_test.py").write_text(
-        "from torchsync_pass import dynamo_hooks\nPROFILING = dynamo_hooks.profiler_enabled()\n")
+        "from torchsync_pass import _torch_private\nPROFILING = _torch_private.profiler_enabled()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     a, b = torch.ones(3), torch.ones(3)
     with count_syncs() as c:
-        assert dynamo_hooks.profiler_enabled()
+        assert _torch_private.profiler_enabled()
         import heavy_module_for_test
 
         a[:1]  # a safe point: the profiler restarts
-        after = dynamo_hooks.profiler_enabled()
+        after = _torch_private.profiler_enabled()
         torch.equal(a, b)  # seen by the profiler only (where the op syncs: not on every release)
     assert heavy_module_for_test.PROFILING is False
     assert after is True

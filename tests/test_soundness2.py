@@ -26,7 +26,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import torchsync_pass
-from torchsync_pass import Action, NosyncBackend, Reason, backend, dynamo_hooks
+from torchsync_pass import Action, NosyncBackend, Reason, _torch_private, backend, dynamo_hooks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EAGER = {"codegen": "eager"}
@@ -374,7 +374,7 @@ def flag_branch(x, t):
 
 
 def recompile_reasons(fn, eager, calls) -> list[str]:
-    watch = dynamo_hooks.CompilationWatch()
+    watch = _torch_private.CompilationWatch()
     for args in calls:
         assert torch.equal(fn(*args), eager(*args))
     return [r.recompile_reason for r in watch.stop() if r.recompile_reason]

@@ -35,7 +35,18 @@ private name                                                     used by
 ``profile.kineto_results``                                       :func:`profiler_events`
 ``torch._dynamo.utils.counters["nosync"]``                       :func:`nosync_counters`
 ``torch._logging.trace_structured``                              :func:`trace_artifact`
+``torch._dynamo.eval_frame.set_code_exec_strategy``              :func:`skip_frames_in_dynamo`
+``torch._C._profiler._RecordFunctionFast``                       :func:`profiler_range`
+``torch._dynamo.callback.callback_handler``                      :func:`watch_compiles`
+``_frozen_importlib._find_and_load``                             :func:`watch_imports`
+``_debug_get_cache_entry_list``, ``orig_code_map``               :func:`frame_runs_under_dynamo`
+``torch.autograd.profiler._is_profiler_enabled``                 :func:`profiler_enabled`
+``torch._logging.getArtifactLogger``                             :func:`graph_break_logger`
+``torch._dynamo.utils.get_compilation_metrics``                  :class:`CompilationWatch`
 ===============================================================  ==============================
+
+The functions from :func:`skip_frames_in_dynamo` down (moved here from dynamo_hooks.py) serve
+``count_syncs()`` and the explain CLI.
 
 NOTE: :func:`symint_hint` asks ``guarding_hint_or_throw`` only when ``node.hint`` is missing; it
 reads the hint without adding a guard. Every import is inside the function that needs it.
@@ -44,7 +55,13 @@ reads the hint without adding a guard. Every import is inside the function that 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+import functools
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -224,3 +241,252 @@ def trace_artifact(name: str, payload_fn: Callable[[], str]) -> None:
         metadata_fn=lambda: {"name": name, "encoding": "json"},
         payload_fn=payload_fn,
     )
+
+
+# ---- Observability helpers (used by counting.py and explain.py) ----
+# NOTE: ``count_syncs()`` and the explain CLI watch a run without changing what Dynamo does. What
+# they need from torch internals, and the one monkeypatch they make (the torch.Tensor method
+# wrappers), lives here so the private surface stays in this module. These helpers may raise when a
+# torch release moves something; their callers catch that, warn or note it, and carry on.
+
+_ABSENT = object()
+
+
+def skip_frames_in_dynamo(fns: list[Callable[..., Any]]) -> None:
+    """Tell Dynamo never to compile the frames of ``fns``, nor anything they call.
+
+    NOTE: Dynamo-internal: ``set_code_exec_strategy`` with ``FrameAction.SKIP`` for the frame and
+    its callees (what ``torch._dynamo.eval_frame.skip_code`` does, applied recursively). Importing
+    Dynamo here, before any Tensor method wrapper is installed, also keeps Dynamo's snapshot of the
+    tensor methods (``variables.tensor.all_tensor_attrs``) free of the wrappers.
+    """
+    import torch._dynamo  # noqa: F401
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    for fn in fns:
+        set_code_exec_strategy(fn.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def patch_tensor_methods(wrappers: dict[str, Callable[..., Any]]) -> Callable[[], None]:
+    """Install ``wrappers`` as ``torch.Tensor`` attributes; return ``restore()``, which undoes it.
+
+    ``restore()`` puts back exactly what ``torch.Tensor.__dict__`` held (a name that was only
+    inherited from ``torch._C.TensorBase`` is deleted again, not pinned) and is idempotent.
+    NOTE: Dynamo traces tensor methods by name, never through these class attributes, so the
+    wrappers do not change what it captures.
+    """
+    saved = {name: torch.Tensor.__dict__.get(name, _ABSENT) for name in wrappers}
+    for name, wrapper in wrappers.items():
+        setattr(torch.Tensor, name, wrapper)
+
+    def restore() -> None:
+        for name, old in saved.items():
+            if old is _ABSENT:
+                try:
+                    delattr(torch.Tensor, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(torch.Tensor, name, old)
+        saved.clear()
+
+    return restore
+
+
+@functools.lru_cache(maxsize=None)
+def _range_type() -> Callable[[str], Any]:
+    fast = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast", None)
+    return fast if fast is not None else torch.profiler.record_function
+
+
+def profiler_range(name: str) -> Any:
+    """A context manager that marks a named range in the running profiler.
+
+    NOTE: ``torch._C._profiler._RecordFunctionFast`` (what Dynamo and Inductor use for their own
+    ranges): about 2-4 us per range against about 20 us for the public
+    ``torch.profiler.record_function`` with the profiler's Python tracer on, whose own Python
+    frames also land in the trace. ``count_syncs()`` opens one per intercepted sync. Falls back to
+    ``torch.profiler.record_function`` when the fast class is missing.
+    """
+    return _range_type()(name)
+
+
+def watch_compiles(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
+    """Call ``on_start()`` when Dynamo begins compiling a frame (outermost compile only) and
+    ``on_end()`` when it is done; return ``remove()``.
+
+    NOTE: ``torch._dynamo.callback.callback_handler`` (the registry behind the public
+    ``torch._dynamo.callback.on_compile_start``/``on_compile_end`` decorators, which cannot be
+    unregistered). The callbacks run in the compiling thread.
+    """
+    from torch._dynamo.callback import callback_handler
+
+    def start(_args: Any) -> None:
+        on_start()
+
+    def end(_args: Any) -> None:
+        on_end()
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+
+    def remove() -> None:
+        for unregister, cb in ((callback_handler.remove_start_callback, start),
+                               (callback_handler.remove_end_callback, end)):
+            try:
+                unregister(cb)
+            except ValueError:  # already removed (e.g. torch._dynamo.callback_handler.clear())
+                pass
+
+    return remove
+
+
+def watch_imports(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
+    """Call ``on_start()``/``on_end()`` around each outermost module load; return ``remove()``.
+
+    NOTE: not torch, but the one other monkeypatch of the counter, kept here with the rest: the
+    interpreter's ``import`` statement and ``importlib.import_module`` both load a module that is
+    not in ``sys.modules`` through ``_frozen_importlib._find_and_load`` (looked up on the module at
+    each call in CPython 3.11-3.13), so wrapping that attribute sees every real load, and nothing
+    for modules already loaded.
+    """
+    bootstrap = sys.modules["_frozen_importlib"]
+    original = bootstrap._find_and_load
+    depth = threading.local()
+
+    @functools.wraps(original)
+    def _find_and_load(name: str, import_: Any) -> Any:
+        d = getattr(depth, "n", 0)
+        depth.n = d + 1
+        if d == 0:
+            on_start()
+        try:
+            return original(name, import_)
+        finally:
+            depth.n = d
+            if d == 0:
+                on_end()
+
+    bootstrap._find_and_load = _find_and_load
+
+    def remove() -> None:
+        if bootstrap._find_and_load is _find_and_load:
+            bootstrap._find_and_load = original
+
+    return remove
+
+
+_DYNAMO_DIR = os.path.join(os.path.dirname(torch.__file__), "_dynamo") + os.sep
+_EVAL_FRAME = _DYNAMO_DIR + "eval_frame.py"
+
+
+def frame_runs_under_dynamo(frame: Any) -> bool:
+    """True when ``frame`` or a caller is Dynamo itself (a compile, its frame-evaluation
+    callback), a function Dynamo compiled, or the import machinery. The ``torch.compile`` wrapper
+    in eval_frame.py is not Dynamo running: a call into a compiled function passes it first.
+
+    NOTE: starting the profiler's Python tracer with such a frame on the stack crashed the
+    interpreter later, when the tracer was stopped (a segfault, torch 2.13, Python 3.11). Reads
+    Dynamo's per-code cache (``torch._C._dynamo.eval_frame._debug_get_cache_entry_list``).
+
+    NOTE [Compiled regions]: a frame that runs a compiled function runs Dynamo's *output* code
+    (``frame.f_code`` is the transformed code object, which has no cache entries of its own);
+    ``torch._dynamo.utils.orig_code_map`` maps each output code to the code it was compiled from.
+    A profiler stopped (for the compile of the code after a graph break) and restarted by an
+    intercepted sync in that resumed compiled code corrupted the heap: segfaults later, in guard
+    evaluation or in ``_disable_profiler``, or ``munmap_chunk(): invalid pointer``, also with
+    ``with_stack=False`` (torch 2.13, Python 3.11; ``benchmarks/schedulers.py`` crashed in 5 runs
+    of 6 before this check, in none of 4 after). The likely mechanism: Dynamo's C frame evaluator
+    wraps each run of output code in a ``RecordFunction`` ("Torch-Compiled Region: i/j") whose
+    end callback writes into the event of the profiler that was running when it began.
+    """
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import orig_code_map
+
+    while frame is not None:
+        code = frame.f_code
+        name = code.co_filename
+        if name.startswith("<frozen importlib") or (name.startswith(_DYNAMO_DIR) and name != _EVAL_FRAME):
+            return True
+        if code in orig_code_map or _debug_get_cache_entry_list(code):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def profiler_enabled() -> bool:
+    """True while an autograd/Kineto profiler is running in this process.
+
+    NOTE: reads ``torch.autograd.profiler._is_profiler_enabled``; no public API says this.
+    """
+    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
+
+
+def graph_break_logger() -> logging.Logger:
+    """The logger of Dynamo's ``graph_breaks`` artifact (what ``TORCH_LOGS=graph_breaks`` shows).
+
+    Its records carry each break's user location, reason and user stack; attach a handler to
+    collect them (see ``explain._BreakHandler`` for the two record formats).
+    """
+    import torch._dynamo  # noqa: F401  (registers the artifact)
+    import torch._logging
+
+    return torch._logging.getArtifactLogger("torch._dynamo.symbolic_convert", "graph_breaks")
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """One frame compile, copied out of Dynamo's compilation metrics as plain data."""
+
+    co_name: Optional[str]
+    co_filename: Optional[str]
+    co_firstlineno: Optional[int]
+    compile_id: Optional[str]
+    graph_op_count: Optional[int]
+    recompile_reason: Optional[str]
+    fail_type: Optional[str]
+    fail_reason: Optional[str]
+    is_runtime: bool
+
+
+class CompilationWatch:
+    """Collects the compilation-metrics records of the compiles between ``__init__`` and ``stop()``.
+
+    NOTE: Dynamo-internal: ``torch._dynamo.utils.get_compilation_metrics`` (one record per frame
+    compile: code name/file/line, graph op count, compile id, recompile and failure reasons). Dynamo
+    keeps only the last 64 by default, so the limit is raised while watching and put back by
+    ``stop()``.
+    """
+
+    def __init__(self) -> None:
+        import torch._dynamo  # noqa: F401
+        from torch._dynamo import utils as dutils
+
+        self._dutils = dutils
+        self._seen = {id(m) for m in dutils.get_compilation_metrics()}
+        self._old_limit = getattr(dutils._compilation_metrics, "maxlen", None)
+        dutils.set_compilation_metrics_limit(1_000_000)
+
+    def stop(self) -> list[CompileRecord]:
+        """The records of the compiles since the watch began, oldest first; restores the limit."""
+        dutils = self._dutils
+        try:
+            new = [m for m in dutils.get_compilation_metrics() if id(m) not in self._seen]
+        finally:
+            if self._old_limit:
+                dutils.set_compilation_metrics_limit(self._old_limit)
+        return [
+            CompileRecord(
+                co_name=m.co_name,
+                co_filename=m.co_filename,
+                co_firstlineno=m.co_firstlineno,
+                compile_id=m.compile_id,
+                graph_op_count=m.graph_op_count,
+                recompile_reason=m.recompile_reason,
+                fail_type=m.fail_type,
+                fail_reason=m.fail_reason,
+                is_runtime=bool(getattr(m, "is_runtime", False)),
+            )
+            for m in new
+        ]

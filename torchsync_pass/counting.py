@@ -18,7 +18,7 @@ compiled function eagerly. Dynamo traces tensor methods by name, never through t
 attribute, so the wrappers do not change what it captures; the wrappers' own frames are marked
 "skip" for Dynamo (see ``_hide_from_dynamo``) so it does not try to compile them when compiled code
 calls them after a graph break. Every torch-internal access (and the ``torch.Tensor`` patching
-itself) goes through :mod:`torchsync_pass.dynamo_hooks`; this module only builds the wrappers.
+itself) goes through :mod:`torchsync_pass._torch_private`; this module only builds the wrappers.
 
 Where the tensor lives decides what counts: on a run without an accelerator every host read is
 counted as the sync it would be on a GPU (``SyncCounts.mode == "cpu-as-device"``). With an
@@ -433,18 +433,18 @@ def _short(s: str, n: int = 60) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Dynamo: through dynamo_hooks only
+# Dynamo: through dynamo_hooks and _torch_private only
 # --------------------------------------------------------------------------------------------
 def _hide_from_dynamo(fns: list[Callable[..., Any]]) -> None:
     """Tell Dynamo never to compile the wrappers' frames (nor what they call).
 
     Without it, compiled code that calls a wrapper after a graph break makes Dynamo try to compile
     the wrapper frame, which adds a graph-break record to the user's counters. Must run before the
-    wrappers are installed (see :func:`dynamo_hooks.skip_frames_in_dynamo`). Fallback: warn once
+    wrappers are installed (see :func:`_torch_private.skip_frames_in_dynamo`). Fallback: warn once
     and carry on.
     """
     try:
-        dynamo_hooks.skip_frames_in_dynamo(fns)
+        _torch_private.skip_frames_in_dynamo(fns)
     except Exception:
         log.warning(
             "torchsync_pass: could not mark the sync counter's wrappers as skipped for Dynamo; "
@@ -588,7 +588,7 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         _TLS.depth = 1
         try:
             if _SESSION.profiling:
-                with dynamo_hooks.profiler_range("torchsync_pass::" + kind):
+                with _torch_private.profiler_range("torchsync_pass::" + kind):
                     out = orig(self, *args, **kwargs)
             else:
                 out = orig(self, *args, **kwargs)
@@ -604,7 +604,7 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _Patcher:
-    """Builds the method wrappers; ``dynamo_hooks.patch_tensor_methods`` installs them on
+    """Builds the method wrappers; ``_torch_private.patch_tensor_methods`` installs them on
     ``torch.Tensor`` while any counter is active."""
 
     def __init__(self) -> None:
@@ -617,7 +617,7 @@ class _Patcher:
             # all wrappers share one code object; _record and helpers run under its SKIP
             _hide_from_dynamo([next(iter(wrappers.values()))])
             self.hidden = True
-        self._restore = dynamo_hooks.patch_tensor_methods(wrappers)
+        self._restore = _torch_private.patch_tensor_methods(wrappers)
 
     def uninstall(self) -> None:
         restore, self._restore = self._restore, None
@@ -661,7 +661,7 @@ class _Profiler:
         self.prof: Any = None
 
     def start(self) -> bool:
-        if dynamo_hooks.profiler_enabled():
+        if _torch_private.profiler_enabled():
             return False
         from torch.autograd.profiler import profile
 
@@ -993,8 +993,8 @@ class _Session:
 
     def _watch_pauses(self) -> None:
         removers = []
-        for what, watch in (("Dynamo compiles", dynamo_hooks.watch_compiles),
-                            ("module imports", dynamo_hooks.watch_imports)):
+        for what, watch in (("Dynamo compiles", _torch_private.watch_compiles),
+                            ("module imports", _torch_private.watch_imports)):
             try:
                 removers.append(watch(self._paused_by, self._ended))
             except Exception:
@@ -1029,12 +1029,12 @@ class _Session:
         NOTE: a safe point is an intercepted tensor method call (``.to()``, ``t[i]``, ``.item()``,
         ...) with neither Dynamo, the import machinery nor a compiled function (nor the output
         code of one: see NOTE [Compiled regions]) on the stack
-        (:func:`dynamo_hooks.frame_runs_under_dynamo`): starting the Python tracer from Dynamo's
+        (:func:`_torch_private.frame_runs_under_dynamo`): starting the Python tracer from Dynamo's
         compile callbacks, from the import machinery, while compiled code ran, or from a
         ``sys.setprofile`` callback made the interpreter crash when the tracer stopped.
         """
         try:
-            unsafe = dynamo_hooks.frame_runs_under_dynamo(frame)
+            unsafe = _torch_private.frame_runs_under_dynamo(frame)
         except Exception:  # unknown is unsafe: a restart inside a compiled region corrupts the heap
             log.debug("torchsync_pass: could not check the stack for a safe point", exc_info=True)
             unsafe = True

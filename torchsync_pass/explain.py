@@ -156,7 +156,7 @@ def _first_para(reason: str) -> str:
 class _CompileWatcher:
     """Watches what Dynamo compiles during the run.
 
-    Through :mod:`torchsync_pass.dynamo_hooks` only: its ``CompilationWatch`` (Dynamo's
+    Through :mod:`torchsync_pass._torch_private` only: its ``CompilationWatch`` (Dynamo's
     compilation-metrics records, one per frame compile: code name/file/line, graph op count,
     compile id, recompile and failure reasons), ``graph_break_logger()`` (reason and user stack of
     each break) and ``current_compile_id()`` (which compile a break belongs to). Any of these
@@ -173,10 +173,10 @@ class _CompileWatcher:
 
     def start(self) -> None:
         try:
-            from . import dynamo_hooks
+            from . import _torch_private, dynamo_hooks
 
-            self._metrics = dynamo_hooks.CompilationWatch()
-            self._logger = dynamo_hooks.graph_break_logger()
+            self._metrics = _torch_private.CompilationWatch()
+            self._logger = _torch_private.graph_break_logger()
             lg = self._logger
             self._saved = (lg.level, lg.propagate)
             user_enabled = lg.isEnabledFor(logging.DEBUG)
