@@ -757,9 +757,6 @@ def _torch_version() -> tuple[int, ...]:
     return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
-_fired: dict[str, int] = {}
-
-
 def _builtin_caller_kind(depth: int = 6) -> str:
     """On torch 2.11 (no hook point for bool/int/float, see HOOK_TABLE) Dynamo's
     ``BuiltinVariable.call_bool``/``_call_int_float`` trace ``bool(t)``/``int(t)``/``float(t)`` as
@@ -784,7 +781,6 @@ def _make_method_hook(attr: str, kind: str, original: Callable) -> Callable:
     def hook(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs:
             return original(self, tx, *args, **kwargs)
-        _fired[attr] = _fired.get(attr, 0) + 1
         ok, value, site = _ask_policy(tx, self, _builtin_caller_kind() if kind == "item" else kind)
         if ok:
             return _const(tx, value)
@@ -813,21 +809,19 @@ def _make_jump_hook(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def hook(self: Any, inst: Any) -> Any:
-        _fired["generic_jump"] = _fired.get("generic_jump", 0) + 1
         value = self.stack[-1] if self.stack else None
         if value is not None and getattr(value, "is_tensor", lambda: False)():
             ok, decided, site = _ask_policy(self, value.realize(), JUMP_KIND)
             if not ok:
                 return _stock(site, decided, lambda: original(self, inst))
-            if ok:
-                # Hoist the *decision*: keep the tested tensor itself on the stack when the
-                # instruction leaves it there (JUMP_IF_*_OR_POP: `c = a.any() or b`).
-                self.pop()
-                if truth_fn(bool(decided)):
-                    if push:
-                        self.push(value)
-                    self.jump(inst)
-                return None
+            # Hoist the *decision*: keep the tested tensor itself on the stack when the
+            # instruction leaves it there (JUMP_IF_*_OR_POP: `c = a.any() or b`).
+            self.pop()
+            if truth_fn(bool(decided)):
+                if push:
+                    self.push(value)
+                self.jump(inst)
+            return None
         return original(self, inst)
 
     hook.__nosync_hook__ = True  # type: ignore[attr-defined]
@@ -847,6 +841,14 @@ def _translator_classes() -> list[type]:
 
 def _replace_tp_method(cls: type, attr: str, hook: Callable) -> bool:
     """torch>=2.14: replace the entry of the class-level method table too."""
+    original = _originals.get(f"TensorVariable.{attr}")
+    return _swap_tp_method(cls, attr, lambda v: v is original, hook)
+
+
+def _swap_tp_method(cls: type, attr: str, is_old: Callable[[Any], bool], new: Callable) -> bool:
+    """Put ``new`` wherever the ``tp_methods`` entries under ``attr``'s own keys hold a handler
+    for which ``is_old`` is true (the entry itself, or its ``fn``/``func``/... field); True when
+    one was replaced. Another attribute's entry keeps its own handler."""
     table = getattr(cls, "tp_methods", None)
     if not isinstance(table, dict):
         return False
@@ -857,17 +859,17 @@ def _replace_tp_method(cls: type, attr: str, hook: Callable) -> bool:
         if entry is None:
             continue
         for fld in ("fn", "func", "impl", "handler"):
-            if hasattr(entry, fld) and getattr(entry, fld) is _originals.get(f"TensorVariable.{attr}"):
+            if hasattr(entry, fld) and is_old(getattr(entry, fld)):
                 try:
-                    setattr(entry, fld, hook)
+                    setattr(entry, fld, new)
                 except (AttributeError, TypeError):
                     import dataclasses
 
                     if dataclasses.is_dataclass(entry):
-                        table[key] = dataclasses.replace(entry, **{fld: hook})
+                        table[key] = dataclasses.replace(entry, **{fld: new})
                 replaced = True
-        if not replaced and callable(entry) and entry is _originals.get(f"TensorVariable.{attr}"):
-            table[key] = hook
+        if not replaced and callable(entry) and is_old(entry):
+            table[key] = new
             replaced = True
     return replaced
 
@@ -983,31 +985,13 @@ def _unpatch() -> None:
 
 
 def _replace_tp_method_back(cls: type, attr: str, original: Callable) -> None:
-    """Undo :func:`_replace_tp_method` for ``attr``: only the entries under its own keys, and only
-    where they hold the hook wrapping ``original`` (another attribute's entry keeps its own)."""
-    table = getattr(cls, "tp_methods", None)
-    if not isinstance(table, dict):
-        return
+    """Undo :func:`_replace_tp_method` for ``attr``: only where the entries hold the hook wrapping
+    ``original``."""
 
     def ours(v: Any) -> bool:
         return getattr(v, "__nosync_hook__", False) and getattr(v, "__wrapped__", None) is original
 
-    name = attr[len("method_") :] if attr.startswith("method_") else attr
-    for key in (name, attr):
-        entry = table.get(key)
-        if entry is None:
-            continue
-        for fld in ("fn", "func", "impl", "handler"):
-            if ours(getattr(entry, fld, None)):
-                try:
-                    setattr(entry, fld, original)
-                except (AttributeError, TypeError):
-                    import dataclasses
-
-                    if dataclasses.is_dataclass(entry):
-                        table[key] = dataclasses.replace(entry, **{fld: original})
-        if ours(entry):
-            table[key] = original
+    _swap_tp_method(cls, attr, ours, original)
 
 
 # --------------------------------------------------------------------------------------------
