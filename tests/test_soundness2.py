@@ -406,6 +406,24 @@ def test_recompile_reason_names_a_demotion():
     assert "value changed" not in reasons[2]
 
 
+def test_recompile_reason_names_a_thread_count_change():
+    """The guard fails when the thread count changed (a reduction's bits depend on it); the reason
+    says so, not the cause of an earlier failure (here: a value change). Dynamo's own global-state
+    guard, which also sees the thread count, is dropped here as a serving engine drops it."""
+    x, t = torch.ones(2), torch.tensor([1.0])
+    keep = torchsync_pass.keep_nosync_guards(lambda entries: [False] * len(entries))
+    step = torch.compile(flag_branch, backend="nosync", options={**EAGER, "guard_filter_fn": keep})
+    saved = torch.get_num_threads()
+    try:
+        assert "value changed" in recompile_reasons(step, flag_branch, [(x, t), (x, t.neg())])[0]
+        torch.set_num_threads(1 if saved != 1 else 2)
+        reasons = recompile_reasons(step, flag_branch, [(x, t)])
+    finally:
+        torch.set_num_threads(saved)
+    assert len(reasons) == 1, reasons
+    assert f"nosync: the thread count changed ({saved} -> " in reasons[0], reasons
+
+
 # --------------------------------------------------------------------------------------------
 # 12. Typos in options["invariant"]
 # --------------------------------------------------------------------------------------------

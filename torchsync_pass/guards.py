@@ -614,7 +614,7 @@ class SiteCheck:
 
     def __call__(self, L: Any, G: Any) -> bool:
         if torch.get_num_threads() != self.bits[0]:
-            return False
+            return self._fail_threads()
         try:
             leaves = self.getter(L, G)
         except Exception:
@@ -676,6 +676,10 @@ class SiteCheck:
         self.failure = (next(_FAILURES), f"nosync: {why} at {self.state.site}: {self.state.source}")
         return False
 
+    def _fail_threads(self) -> bool:
+        # the memo of this entry holds values computed under another count
+        return self._fail(f"the thread count changed ({self.bits[0]} -> {torch.get_num_threads()})")
+
     def _fail_demoted(self) -> bool:
         reason = self.state.demoted
         return self._fail(f"site demoted ({reason.name if reason is not None else '?'}), not a value change")
@@ -720,12 +724,12 @@ class SiteCheck:
 
         def run(L: Any, G: Any) -> bool:
             if get_num_threads() != threads:
-                return False  # the memo of this entry holds values computed under another count
+                return checks[0]._fail_threads()
             try:
                 leaves = getter(L, G)
             except Exception:
                 log.debug("nosync guard: a leaf no longer resolves", exc_info=True)
-                return False
+                return checks[0]._fail("a leaf no longer resolves")
             refs = last[0]
             if refs is not None and same_call(refs, last[1], leaves):
                 for st in states:
