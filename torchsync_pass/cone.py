@@ -2,8 +2,8 @@
 
 A sync ``v = f(a, b).item()`` can become a guarded constant only when ``v`` is a pure function of
 tensors that stay fixed for the request. Given the Dynamo FX graph traced so far and the node of the
-synced tensor, :func:`analyze_cone` walks the dataflow back to the placeholders (networkx
-``ancestors``) and checks, in this order:
+synced tensor, :func:`analyze_cone` walks the dataflow back to the placeholders (:func:`cone_of`)
+and checks, in this order:
 
 1. the sync sits in the root tracer (not inside a ``torch.cond``/HOP subgraph);
 2. every node of the cone is a plain op: no ``get_attr`` constant, no ``call_module``, no
@@ -43,7 +43,6 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-import networkx as nx
 import torch
 from torch import fx
 
@@ -302,13 +301,15 @@ def _example(node: fx.Node) -> Any:
     return _torch_private.example_value(node)
 
 
-def dataflow(graph: fx.Graph) -> nx.DiGraph:
-    g = nx.DiGraph()
-    for n in graph.nodes:
-        g.add_node(n)
-        for inp in n.all_input_nodes:
-            g.add_edge(inp, n)
-    return g
+def cone_of(node: fx.Node) -> set[fx.Node]:
+    """``node`` and every node it reads, directly or not: a walk back over ``all_input_nodes``."""
+    cone, todo = {node}, [node]
+    while todo:
+        for inp in todo.pop().all_input_nodes:
+            if inp not in cone:
+                cone.add(inp)
+                todo.append(inp)
+    return cone
 
 
 def analyze_cone(
@@ -332,8 +333,7 @@ def analyze_cone(
     if autocast:
         return ConeResult(False, Reason.AUTOCAST, f"autocast is on for {', '.join(autocast)}")
     graph = node.graph
-    flow = dataflow(graph)
-    cone_nodes = nx.ancestors(flow, node) | {node}
+    cone_nodes = cone_of(node)
     by_node = {leaf.node: leaf for leaf in leaves}
 
     leaf_nodes = [n for n in graph.nodes if n in cone_nodes and n.op == "placeholder"]

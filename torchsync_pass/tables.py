@@ -49,11 +49,10 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import networkx as nx
 import torch
 
 from . import _torch_private, dynamo_hooks
-from .cone import ConeResult, _example, analyze_cone, dataflow, dotted_name, mark_hoisted
+from .cone import ConeResult, _example, analyze_cone, cone_of, dotted_name, mark_hoisted
 from .guards import (
     ConeMemo,
     ConeState,
@@ -187,7 +186,7 @@ class TableCheck(SiteCheck):
 
 def _index_leaf(site: dynamo_hooks.SyncSite) -> Optional[dynamo_hooks.Leaf]:
     """The one int placeholder (an argument or attribute made dynamic) the synced value depends on."""
-    cone = nx.ancestors(dataflow(site.node.graph), site.node) | {site.node}
+    cone = cone_of(site.node)
     ints = [
         leaf for leaf in site.leaves
         if leaf.node in cone and leaf.role == "symbolic" and isinstance(leaf.example, (torch.SymInt, int))
