@@ -18,13 +18,8 @@ All checks of one cache entry run as one function (:meth:`SiteCheck.fuse`): each
 once, and a call whose leaves are the very objects of the last passing call, unchanged, is answered
 without touching the memos.
 
-Demotion keeps speculation from turning into a recompile storm. A site is handed back to stock
-Dynamo for good when one of its cones takes more than ``max_specializations`` values; when its
-value changed on the very next call after it was specialised while the old leaf is gone, was
-written in place, or is the next element of the same table (a timestep, a step counter); when the
-guard had to re-run a cone on 3 calls in a row (leaves new every call); or when its frame has used
-half of Dynamo's ``recompile_limit``. Demotion costs one recompile; the demoted site's old guards
-then fail at once, without a sync.
+Demotion keeps speculation from turning into a recompile storm: its rules are listed together
+in the section "Demotion: the rules" below.
 """
 
 from __future__ import annotations
@@ -210,31 +205,6 @@ class Spec:
     leaf_refs: tuple = ()
     leaf_versions: tuple = ()
 
-    def leaves_changed(self, leaves: list[torch.Tensor]) -> bool:
-        """Were this spec's leaves freed or written in place since it was specialised?"""
-        if not self.leaf_refs:
-            return False
-        if any(ref() is not None and ref() is not cur for ref, cur in zip(self.leaf_refs, leaves)):
-            # NOTE: a tensor dropped by the caller can still sit in a reference cycle (Dynamo's
-            # frame state); collect once so "freed" means freed. Only reached on a recompile.
-            gc.collect()
-        for ref, ver, cur in zip(self.leaf_refs, self.leaf_versions, leaves):
-            old = ref()
-            if old is None:
-                continue  # freed: the previous step's tensor is gone
-            if old is cur and ver is not None and not cur.is_inference() and cur._version != ver:
-                continue  # same object written in place
-            if old is not cur and _same_storage(old, cur):
-                continue  # the next element of one table (``for t in scheduler.timesteps``)
-            return False
-        return True
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
-    except Exception:
-        return False
 
 
 @dataclass
@@ -397,12 +367,8 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
                               site.source_line, site.code_name)
             _sites[key] = state
     if state.demoted is None and _budget_exhausted(site):
-        state.demoted = Reason.RECOMPILE_BUDGET
-        state.demoted_detail = (
-            f"compile {site.frame_compile + 1} of {site.frame_code.co_name}; "
-            f"recompile_limit is {dynamo_hooks.recompile_limit()}"
-        )
-        _record(state, Action.DEMOTED, Reason.RECOMPILE_BUDGET, state.demoted_detail, compile_id=compile_id)
+        _demote(state, Reason.RECOMPILE_BUDGET, f"compile {site.frame_compile + 1} of "
+                f"{site.frame_code.co_name}; recompile_limit is {dynamo_hooks.recompile_limit()}", compile_id)
         return False, f"demoted: {Reason.RECOMPILE_BUDGET.value}"
     if state.demoted is not None:
         _record(state, Action.REJECTED, Reason.DISABLED, state.demoted.value, compile_id=compile_id)
@@ -449,12 +415,9 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
 
     spec = cone.specs.get(entry.key)
     if spec is None:
-        demote = _demotion(cone, result, leaves, opts)
-        if demote is not None:
-            reason, detail = demote
-            state.demoted, state.demoted_detail = reason, detail
-            _record(state, Action.DEMOTED, reason, detail, compile_id=compile_id)
-            return False, f"demoted: {reason.value}"
+        demoted = _new_value_demotion(state, cone, result, leaves, opts, compile_id)
+        if demoted is not None:
+            return False, f"demoted: {demoted.value}"
         spec = Spec(
             value,
             entry.key,
@@ -473,19 +436,6 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
             "speculated invariant" if result.speculative else "", value,
             tuple(l.name for l in result.leaves), compile_id=compile_id)
     return True, value
-
-
-def demote_hidden_writes(graph: Any, compile_id: Optional[str]) -> None:
-    """Demote every site hoisted from a leaf that the graph writes behind the version counter
-    (unless all its leaves are declared: then the user promised the value does not change)."""
-    for (key, fp), what in hidden_writes_to_hoisted(graph):
-        with _lock:
-            state = _sites.get(key)
-        cone = state.cones.get(fp) if state is not None else None
-        if cone is None or state.demoted is not None or all(l.declared for l in cone.result.leaves):
-            continue
-        state.demoted, state.demoted_detail = Reason.HIDDEN_WRITER, what
-        _record(state, Action.DEMOTED, Reason.HIDDEN_WRITER, what, compile_id=compile_id)
 
 
 _warned_names: set = set()
@@ -542,25 +492,7 @@ def _declared_name_problem(name: str, args: tuple, scope: Any) -> Optional[str]:
     return None
 
 
-_budget_frames: set = set()
 _recompiles_seen: set = set()
-
-
-def _budget_exhausted(site: dynamo_hooks.SyncSite) -> bool:
-    """True once the frame has used half of ``recompile_limit``.
-
-    ``max_specializations`` bounds the values of one site, but Dynamo keeps one cache entry per
-    *combination* of hoisted values (4 two-valued sites: 16 entries). From this compile on, every
-    site of the frame is demoted, so the entry compiled now serves every later value. The other
-    half of the budget stays for Dynamo's own reasons to recompile (dtype or shape changes, ints
-    passed across a graph break), so the frame does not reach the limit because of our guards.
-    """
-    if site.frame_code in _budget_frames:
-        return True
-    if site.frame_compile >= max(1, dynamo_hooks.recompile_limit() // 2):
-        _budget_frames.add(site.frame_code)
-        return True
-    return False
 
 
 def _count_recompile(site: dynamo_hooks.SyncSite, compile_id: Optional[str]) -> None:
@@ -578,19 +510,6 @@ def _why(reason: Reason, detail: str) -> str:
     return reason.value + (f" ({detail})" if detail else "")
 
 
-def _demotion(cone: ConeState, result: ConeResult, leaves: tuple, opts: Any) -> Optional[tuple[Reason, str]]:
-    if len(cone.specs) >= opts.max_specializations:
-        return Reason.TOO_MANY_VALUES, (
-            f"{len(cone.specs) + 1} distinct values > max_specializations={opts.max_specializations}"
-        )
-    last = cone.last_spec
-    all_declared = all(l.declared for l in result.leaves)
-    if last is not None and not all_declared and last.hits == 0 and last.leaves_changed(list(leaves)):
-        return Reason.LEAVES_CHANGE, "the value changed on the call right after it was specialised"
-    return None
-
-
-MISS_STREAK_DEMOTE = 3
 _FAILURES = itertools.count()
 
 
@@ -779,8 +698,93 @@ def _same_call_fn(n: int, declared: tuple) -> Callable[[tuple, tuple, tuple], bo
     return fn
 
 
+# ----------------------------------------------------------------------------------------------
+# Demotion: the rules
+# ----------------------------------------------------------------------------------------------
+# A site is handed back to stock Dynamo for good (one recompile; its old guards then fail at once,
+# without a sync) when
+# 1. RECOMPILE_BUDGET: its frame has used half of Dynamo's ``recompile_limit`` (_budget_exhausted);
+# 2. TOO_MANY_VALUES: one of its cones takes more than ``max_specializations`` values;
+# 3. LEAVES_CHANGE: its value changed on the very next call after it was specialised while the
+#    old leaf is gone, was written in place, or is the next element of the same table (2 and 3:
+#    _new_value_demotion, asked by decide for a value the cone has not taken before);
+# 4. LEAVES_CHANGE: the guard had to re-run a cone on MISS_STREAK_DEMOTE calls in a row (leaves
+#    new every call) and the value changed along the way (_runtime_miss, asked by the guard);
+# 5. HIDDEN_WRITER: the graph writes one of its leaves behind the version counter
+#    (demote_hidden_writes, asked by the backend once the whole graph is known).
+# Rules 3-5 spare a site whose leaves are all declared: the user promised they stay fixed.
+MISS_STREAK_DEMOTE = 3
+_budget_frames: set = set()
+
+
+def _demote(state: SiteState, reason: Reason, detail: str, compile_id: Optional[str] = None) -> Reason:
+    state.demoted, state.demoted_detail = reason, detail
+    _record(state, Action.DEMOTED, reason, detail, compile_id=compile_id)
+    return reason
+
+
+def _budget_exhausted(site: dynamo_hooks.SyncSite) -> bool:
+    """Rule 1: True once the frame has used half of ``recompile_limit``.
+
+    ``max_specializations`` bounds the values of one site, but Dynamo keeps one cache entry per
+    *combination* of hoisted values (4 two-valued sites: 16 entries). From this compile on, every
+    site of the frame is demoted, so the entry compiled now serves every later value. The other
+    half of the budget stays for Dynamo's own reasons to recompile (dtype or shape changes, ints
+    passed across a graph break), so the frame does not reach the limit because of our guards.
+    """
+    if site.frame_code in _budget_frames:
+        return True
+    if site.frame_compile >= max(1, dynamo_hooks.recompile_limit() // 2):
+        _budget_frames.add(site.frame_code)
+        return True
+    return False
+
+
+def _new_value_demotion(state: SiteState, cone: ConeState, result: ConeResult, leaves: tuple, opts: Any,
+                        compile_id: Optional[str]) -> Optional[Reason]:
+    """Rules 2 and 3, for a value ``cone`` has not taken before; the reason when it demoted."""
+    if len(cone.specs) >= opts.max_specializations:
+        return _demote(state, Reason.TOO_MANY_VALUES, (
+            f"{len(cone.specs) + 1} distinct values > max_specializations={opts.max_specializations}"
+        ), compile_id)
+    last = cone.last_spec
+    all_declared = all(l.declared for l in result.leaves)
+    if last is not None and not all_declared and last.hits == 0 and _leaves_changed(last, leaves):
+        return _demote(state, Reason.LEAVES_CHANGE,
+                       "the value changed on the call right after it was specialised", compile_id)
+    return None
+
+
+def _leaves_changed(spec: Spec, leaves: tuple) -> bool:
+    """Were ``spec``'s leaves freed or written in place since it was specialised, or replaced by
+    the next element of the same table?"""
+    if not spec.leaf_refs:
+        return False
+    if any(ref() is not None and ref() is not cur for ref, cur in zip(spec.leaf_refs, leaves)):
+        # NOTE: a tensor dropped by the caller can still sit in a reference cycle (Dynamo's
+        # frame state); collect once so "freed" means freed. Only reached on a recompile.
+        gc.collect()
+    for ref, ver, cur in zip(spec.leaf_refs, spec.leaf_versions, leaves):
+        old = ref()
+        if old is None:
+            continue  # freed: the previous step's tensor is gone
+        if old is cur and ver is not None and not cur.is_inference() and cur._version != ver:
+            continue  # same object written in place
+        if old is not cur and _same_storage(old, cur):
+            continue  # the next element of one table (``for t in scheduler.timesteps``)
+        return False
+    return True
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except Exception:
+        return False
+
+
 def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
-    """Book a call whose leaves are new; True when the site is demoted instead of re-synced.
+    """Rule 4. Book a call whose leaves are new; True when the site is demoted instead of re-synced.
 
     NOTE: within one call the entry stored by the miss is hit again by the guards of the other
     cache entries of the cone (at most ``len(specs) - 1`` times); more hits than that mean a later
@@ -798,14 +802,23 @@ def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
     # compiling) for nothing, so nosync would sync more than stock. Only a streak that also brought
     # a new value, i.e. a recompile per call, demotes.
     if may_demote and cone.miss_streak >= MISS_STREAK_DEMOTE and len(cone.streak_keys) > 1:
-        state.demoted = Reason.LEAVES_CHANGE
-        state.demoted_detail = (
-            f"its leaves were new on {cone.miss_streak} calls in a row, so the guard re-ran the cone "
-            "(one sync) every call"
-        )
-        _record(state, Action.DEMOTED, Reason.LEAVES_CHANGE, state.demoted_detail)
+        _demote(state, Reason.LEAVES_CHANGE,
+                f"its leaves were new on {cone.miss_streak} calls in a row, so the guard re-ran the "
+                "cone (one sync) every call")
         return True
     return False
+
+
+def demote_hidden_writes(graph: Any, compile_id: Optional[str]) -> None:
+    """Rule 5: demote every site hoisted from a leaf that the graph writes behind the version
+    counter (unless all its leaves are declared: then the user promised the value does not change)."""
+    for (key, fp), what in hidden_writes_to_hoisted(graph):
+        with _lock:
+            state = _sites.get(key)
+        cone = state.cones.get(fp) if state is not None else None
+        if cone is None or state.demoted is not None or all(l.declared for l in cone.result.leaves):
+            continue
+        _demote(state, Reason.HIDDEN_WRITER, what, compile_id)
 
 
 # ----------------------------------------------------------------------------------------------

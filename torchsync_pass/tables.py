@@ -60,7 +60,7 @@ from .guards import (
     SiteCheck,
     SiteState,
     Spec,
-    _demotion,
+    _new_value_demotion,
     _hoistable,
     _record,
     _why,
@@ -272,11 +272,9 @@ def lift(state: SiteState, site: dynamo_hooks.SyncSite, opts: Any, compile_id: O
         return _reject(state, Reason.TABLE_STEP_VARYING, detail, compile_id)
     spec = cone.specs.get(key)
     if spec is None:
-        demote = _demotion(cone, result, tables, opts)
-        if demote is not None:
-            state.demoted, state.demoted_detail = demote
-            _record(state, Action.DEMOTED, demote[0], demote[1], compile_id=compile_id)
-            return False, f"demoted: {demote[0].value}"
+        demoted = _new_value_demotion(state, cone, result, tables, opts, compile_id)
+        if demoted is not None:
+            return False, f"demoted: {demoted.value}"
         spec = Spec(value, key)
         cone.specs[key] = spec
     cone.last_spec = spec
