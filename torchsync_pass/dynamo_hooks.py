@@ -196,7 +196,8 @@ def _role(source_name: str, example: Any) -> str:
     return "attribute"
 
 
-def _leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
+def leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
+    """A placeholder of a graph handed to the backend as a Leaf (None without a guardable source)."""
     ga = node.meta.get("grapharg")
     if ga is None:
         return None
@@ -208,11 +209,6 @@ def _leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
     except Exception:  # example released
         return None
     return Leaf(node=node, source=src, example=example, role=_role(src, example))
-
-
-def leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
-    """A placeholder of a graph handed to the backend as a Leaf (None without a guardable source)."""
-    return _leaf_of(node)
 
 
 # Files under TORCH_DIR are torch's own Python; RESUME_RE matches the code objects Dynamo makes for
@@ -264,7 +260,7 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
     )
     for n in node.graph.nodes:
         if n.op == "placeholder":
-            leaf = _leaf_of(n)
+            leaf = leaf_of(n)
             if leaf is not None:
                 site.leaves.append(leaf)
     return site
@@ -998,9 +994,13 @@ def _replace_tp_method_back(cls: type, attr: str, original: Callable) -> None:
 # Self-test: does each hook actually fire on a tiny function?
 # --------------------------------------------------------------------------------------------
 class _SelfTestBackend:
-    """Marker backend used only by the self-test."""
+    """The self-test's backend (the hooks treat it as nosync): counts the graphs it is given."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        self.graphs += 1
         return gm.forward
 
 
@@ -1045,12 +1045,9 @@ def _self_test_fns() -> dict[str, Callable]:
     # would throw away everything the user's process has compiled so far.
     env: dict[str, Any] = {"operator": operator}
     exec(compile(_SELF_TEST_SRC, SELF_TEST_FILE, "exec"), env)  # noqa: S102
-    f_item, f_tolist, f_bool, f_int, f_float, f_index, f_jump = (
-        env[n] for n in ("f_item", "f_tolist", "f_bool", "f_int", "f_float", "f_index", "f_jump")
-    )
-    fns = {"item": f_item, "tolist": f_tolist, "bool": f_bool, "int": f_int, "float": f_float, "index": f_index}
     out = {}
-    for kind, fn in fns.items():
+    for kind in _METHOD_HOOKS:
+        fn = env[f"f_{kind}"]
         try:
             attr = _method_attr(kind)
         except AttributeError:
@@ -1060,7 +1057,7 @@ def _self_test_fns() -> dict[str, Callable]:
                 out[f"{kind}() via TensorVariable.method_item"] = fn
             continue
         out[f"TensorVariable.{attr}"] = fn
-    out["generic_jump (dispatch_table)"] = f_jump
+    out["generic_jump (dispatch_table)"] = env["f_jump"]
     return out
 
 
@@ -1104,23 +1101,18 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
     from torch._dynamo.utils import counters
 
     saved_counters = {k: dict(v) for k, v in counters.items()}
-    marker = _SelfTestBackend()
     _state.self_test = True
     _policy = probe_policy
-    _backend_matcher = lambda fn: fn is marker  # noqa: E731
+    _backend_matcher = lambda fn: isinstance(fn, _SelfTestBackend)  # noqa: E731
     try:
-        import torch._dynamo
-
         for name, fn in _self_test_fns().items():
             seen.clear()
-            graphs: list[int] = []
-
             ints = fn.__name__ in ("f_tolist", "f_index", "f_int")
             x = torch.tensor([2, 3]) if ints else torch.tensor([2.0, 3.0])
             try:
-                compiled = torch.compile(fn, backend=_CountingMarker(marker, graphs))
-                got = compiled(x)
-                ok = bool(seen) and len(graphs) == 1 and torch.equal(got, fn(x))
+                backend = _SelfTestBackend()
+                got = torch.compile(fn, backend=backend)(x)
+                ok = bool(seen) and backend.graphs == 1 and torch.equal(got, fn(x))
             except Exception:
                 log.debug("nosync self-test %s failed", name, exc_info=True)
                 ok = False
@@ -1135,16 +1127,6 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
             counters[k].update(v)
     _self_test_result = results
     return results
-
-
-class _CountingMarker:
-    def __init__(self, marker: Any, graphs: list) -> None:
-        self._torchdynamo_orig_backend = marker
-        self.graphs = graphs
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
-        self.graphs.append(1)
-        return gm.forward
 
 
 def hook_points() -> list[str]:
