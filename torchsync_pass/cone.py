@@ -262,12 +262,6 @@ def written_nodes(node: fx.Node) -> list[fx.Node]:
     return written + hidden_written_nodes(node)
 
 
-def inplace_target(node: fx.Node) -> Optional[fx.Node]:
-    """The first node ``node`` writes to, or None when it writes nothing."""
-    written = written_nodes(node)
-    return written[0] if written else None
-
-
 def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
     name = _target_name(node)
     if node.op == "get_attr":
@@ -281,7 +275,7 @@ def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
         return Reason.SUBGRAPH, f"higher-order op {name}"
     if is_random(node):
         return Reason.IMPURE_OP, f"random op {name}"
-    if inplace_target(node) is not None:
+    if written_nodes(node):
         return Reason.IMPURE_OP, f"in-place op {name}"
     if node.op == "call_function" and name.startswith("_") and name not in _SAFE_PRIVATE:
         return Reason.IMPURE_OP, f"side-effecting or internal op {name}"
@@ -530,8 +524,9 @@ def _mutated_cone(graph: fx.Graph, leaf_nodes: list[fx.Node], cone_nodes: set[fx
     ``add_`` only uses it. Aliasing is therefore decided by storage (the fake tensors of views share
     their base's storage), over every node of the cone, leaves and intermediates alike.
     """
+    reads = leaf_nodes + [n for n in graph.nodes if n in cone_nodes]
     storages: dict[int, fx.Node] = {}
-    for n in leaf_nodes + [n for n in graph.nodes if n in cone_nodes]:
+    for n in reads:
         key = _storage_key(_example(n))
         if key is not None:
             storages.setdefault(key, n)
@@ -546,7 +541,7 @@ def _mutated_cone(graph: fx.Graph, leaf_nodes: list[fx.Node], cone_nodes: set[fx
                 return f"{_target_name(n)} writes to {what} {read.name} (or a view of it) at {_where(n)}"
     # Belt and braces: a write the op table above does not know about still bumps the version
     # counter of the fake tensor Dynamo traced with.
-    for n in leaf_nodes + [n for n in graph.nodes if n in cone_nodes]:
+    for n in reads:
         ex = _example(n)
         if isinstance(ex, torch.Tensor):
             try:
