@@ -55,6 +55,7 @@ reads the hint without adding a guard. Every import is inside the function that 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -476,17 +477,6 @@ class CompilationWatch:
         finally:
             if self._old_limit:
                 dutils.set_compilation_metrics_limit(self._old_limit)
-        return [
-            CompileRecord(
-                co_name=m.co_name,
-                co_filename=m.co_filename,
-                co_firstlineno=m.co_firstlineno,
-                compile_id=m.compile_id,
-                graph_op_count=m.graph_op_count,
-                recompile_reason=m.recompile_reason,
-                fail_type=m.fail_type,
-                fail_reason=m.fail_reason,
-                is_runtime=bool(getattr(m, "is_runtime", False)),
-            )
-            for m in new
-        ]
+        names = [f.name for f in dataclasses.fields(CompileRecord) if f.name != "is_runtime"]
+        return [CompileRecord(**{n: getattr(m, n) for n in names}, is_runtime=bool(getattr(m, "is_runtime", False)))
+                for m in new]

@@ -38,7 +38,7 @@ import threading
 import time
 import traceback
 import types
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .report import DECISIONS, Decision, SiteKey
@@ -70,14 +70,7 @@ class GraphBreak:
     sync: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "line": self.line,
-            "reason": self.reason,
-            "sync": self.sync,
-            "compile_id": self.compile_id,
-            "user_stack": self.user_stack,
-        }
+        return asdict(self)
 
 
 @dataclass

@@ -9,12 +9,13 @@ This module is pure Python (no torch import) so the CLI can render reports cheap
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import linecache
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 
 @dataclass(frozen=True, order=True)
@@ -167,22 +168,19 @@ def decisions() -> list[Decision]:
 _guard_tls = threading.local()
 
 
-class guard_site:
+@contextlib.contextmanager
+def guard_site(site: SiteKey) -> Iterator[None]:
     """Marks a nosync guard re-running the cone of ``site`` (its one real sync per request).
 
     The sync counter attributes reads made inside to the hoisted line instead of Dynamo's
     generated guard code.
     """
-
-    def __init__(self, site: SiteKey) -> None:
-        self.site = site
-
-    def __enter__(self) -> None:
-        self.saved = getattr(_guard_tls, "site", None)
-        _guard_tls.site = self.site
-
-    def __exit__(self, *exc: Any) -> None:
-        _guard_tls.site = self.saved
+    saved = getattr(_guard_tls, "site", None)
+    _guard_tls.site = site
+    try:
+        yield
+    finally:
+        _guard_tls.site = saved
 
 
 def current_guard_site() -> "SiteKey | None":
