@@ -291,8 +291,7 @@ def _storage_key(value: Any) -> Optional[int]:
     return None
 
 
-def _example(node: fx.Node) -> Any:
-    return _torch_private.example_value(node)
+_example = _torch_private.example_value
 
 
 def cone_of(node: fx.Node) -> set[fx.Node]:

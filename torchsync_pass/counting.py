@@ -115,9 +115,7 @@ class SiteStats:
     @property
     def distinct_values(self) -> int | None:
         """How many distinct values the site returned; None when none was recorded."""
-        if not self.values:
-            return None
-        return len(self.values)
+        return len(self.values) or None
 
     @property
     def hoisting_candidate(self) -> bool:
@@ -215,18 +213,14 @@ class SyncCounts:
             self._resolve_calls()
 
     # recording -----------------------------------------------------------------------------
-    def _stats(self, site: SiteKey, function: str, code_key: tuple | None) -> SiteStats:
-        st = self.sites.get(site)
-        if st is None:
-            st = self.sites[site] = SiteStats(site=site, function=function, _code_key=code_key)
-        return st
-
     def _add(self, ev: _Event) -> None:
         with self._lock:
             if ev.compile_time:
                 self.compile_time += 1
                 return
-            st = self._stats(ev.site, ev.function, ev.code_key)
+            st = self.sites.get(ev.site)
+            if st is None:
+                st = self.sites[ev.site] = SiteStats(site=ev.site, function=ev.function, _code_key=ev.code_key)
             st.line_exact = st.line_exact and ev.line_exact
             st.kinds[ev.kind] += 1
             if ev.device:

@@ -57,8 +57,6 @@ TORCH_REQUIREMENT = "torch>=2.11,<2.16"
 
 
 def _parse_requirement(req: str) -> tuple[tuple[int, int], tuple[int, int]]:
-    import re
-
     m = re.fullmatch(r"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)", req)
     if m is None:
         raise ValueError(f"cannot parse {req!r}")

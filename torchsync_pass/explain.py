@@ -650,15 +650,14 @@ def main(argv: list[str] | None = None) -> int:
     counting.register_file(ns.script)
     n_decisions = DECISIONS.mark()
     verify_ctx: Any = contextlib.nullcontext()
-    graphs_before: list[dict] = []
     if ns.verify:
         # imported before the watcher and counter start: its import-time hook self-test compiles
         # probes of its own
         from . import backend
 
-        graphs_before = backend.compiled_graphs()  # kept alive, so their ids stay unique
         verify_ctx = backend.forced_options(verify=True)
     nosync_before = _nosync_graphs()  # kept alive, so their ids stay unique
+    seen_graphs = {id(e) for e in nosync_before}
     watcher = _CompileWatcher()
     watcher.start()
     counter = counting.count_syncs(profiler=not ns.no_profiler)
@@ -673,15 +672,13 @@ def main(argv: list[str] | None = None) -> int:
     notes = [watcher.note] if watcher.note else []
     verification = None
     if ns.verify:
-        seen = {id(e) for e in graphs_before}
-        verification = [_verification_entry(e) for e in backend.compiled_graphs() if id(e) not in seen]
+        verification = [_verification_entry(e) for e in _nosync_graphs() if id(e) not in seen_graphs]
         if not verification:
             notes.append("--verify: the nosync backend compiled no graph in this run; nothing was verified")
     rep = build_report(
         ns.script, list(ns.args), outcome, counter, funcs, DECISIONS.since(n_decisions), notes,
         verification,
     )
-    seen_graphs = {id(e) for e in nosync_before}
     rep["nosync_graphs"] = sum(id(e) not in seen_graphs for e in _nosync_graphs())
     rep["nosync_disabled"] = _nosync_disabled()
     if ns.json:

@@ -49,8 +49,7 @@ MEMO_SIZE = 8
 MAX_LIST_LEN = 1024
 
 
-def counters() -> Any:
-    return _torch_private.nosync_counters()
+counters = _torch_private.nosync_counters
 
 
 # ----------------------------------------------------------------------------------------------

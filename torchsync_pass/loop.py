@@ -50,13 +50,13 @@ class LoopMode:
         return f"{b} {dict(self.options)}" if self.options else str(b)
 
 
-_PRESETS = {
-    "nosync-eager": lambda: LoopMode("nosync-eager", "nosync", {"codegen": "eager"}, must_equal="eager"),
-    "nosync-inductor": lambda: LoopMode("nosync-inductor", "nosync", {"codegen": "inductor"}, must_equal="inductor"),
-    "inductor": lambda: LoopMode("inductor", "inductor", None, must_equal=None),
-    "aot_eager": lambda: LoopMode("aot_eager", "aot_eager", None, must_equal="eager"),
-    "dynamo-eager": lambda: LoopMode("dynamo-eager", "eager", None, must_equal="eager"),
-}
+_PRESETS = {m.name: m for m in (  # frozen: shared by every call
+    LoopMode("nosync-eager", "nosync", {"codegen": "eager"}, must_equal="eager"),
+    LoopMode("nosync-inductor", "nosync", {"codegen": "inductor"}, must_equal="inductor"),
+    LoopMode("inductor", "inductor", None, must_equal=None),
+    LoopMode("aot_eager", "aot_eager", None, must_equal="eager"),
+    LoopMode("dynamo-eager", "eager", None, must_equal="eager"),
+)}
 
 
 def resolve_modes(
@@ -70,7 +70,7 @@ def resolve_modes(
         if isinstance(m, LoopMode):
             out.append(m)
         elif isinstance(m, str) and m in _PRESETS:
-            out.append(_PRESETS[m]())
+            out.append(_PRESETS[m])
         elif m == "eager":
             raise ValueError("'eager' is the reference that every mode is compared with; do not list it in modes")
         else:
@@ -91,7 +91,7 @@ def resolve_modes(
     for m in list(out):
         if m.must_equal not in (None, "eager") and m.must_equal not in names:
             if m.must_equal in _PRESETS:
-                out.append(_PRESETS[m.must_equal]())
+                out.append(_PRESETS[m.must_equal])
                 names.append(m.must_equal)
             else:
                 raise ValueError(f"mode {m.name!r} must equal {m.must_equal!r}, which is not a mode")
