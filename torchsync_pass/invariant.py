@@ -168,16 +168,7 @@ def _decision(n: fx.Node, action: Action, reason: Reason, nbytes: int, leaves: t
 
 
 def _ancestors_leaves(n: fx.Node, names: dict[fx.Node, str]) -> tuple[str, ...]:
-    seen, stack, out = set(), [n], []
-    while stack:
-        m = stack.pop()
-        if m in seen:
-            continue
-        seen.add(m)
-        if m in names:
-            out.append(names[m])
-        stack.extend(m.all_input_nodes)
-    return tuple(sorted(out))
+    return tuple(sorted(names[m] for m in cone.cone_of(n) if m in names))
 
 
 def cache_invariant(gm: fx.GraphModule, opts: Any) -> InvariantSplit:

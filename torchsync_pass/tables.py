@@ -54,6 +54,7 @@ import torch
 from . import _torch_private, dynamo_hooks
 from .cone import ConeResult, _example, analyze_cone, cone_of, dotted_name, mark_hoisted
 from .guards import (
+    _CONVERT,
     ConeMemo,
     ConeState,
     bits_state,
@@ -73,14 +74,7 @@ log = logging.getLogger(__name__)
 MAX_TABLE_LEN = 4096  # indices mirrored per request, at most
 
 # The conversions of guards._CONVERT, applied to the Python values one .tolist() produced.
-_FROM_HOST: dict[str, Callable[[Any], Any]] = {
-    "item": lambda v: v,
-    "tolist": lambda v: v,
-    "bool": bool,
-    "int": int,
-    "float": float,
-    "index": operator.index,
-}
+_FROM_HOST: dict[str, Callable[[Any], Any]] = {**_CONVERT, "item": lambda v: v, "tolist": lambda v: v}
 _SIZE_SOURCES = (".size()", ".stride()", ".storage_offset()", "__len__")
 
 
