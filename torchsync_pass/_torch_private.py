@@ -54,7 +54,6 @@ reads the hint without adding a guard. Every import is inside the function that 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -76,10 +75,8 @@ def is_fake(x: Any) -> bool:
 
 def no_fake_mode() -> Any:
     """A context that leaves any active fake mode, so real tensors run real kernels."""
-    try:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-    except ImportError:  # pragma: no cover - older torch
-        return contextlib.nullcontext()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     return unset_fake_temporarily()
 
 

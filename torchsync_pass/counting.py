@@ -597,26 +597,23 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class _Patcher:
-    """Builds the method wrappers; ``_torch_private.patch_tensor_methods`` installs them on
-    ``torch.Tensor`` while any counter is active."""
+_hidden = False
 
-    def __init__(self) -> None:
-        self._restore: Callable[[], None] | None = None
-        self.hidden = False
 
-    def install(self) -> None:
-        wrappers = {name: _make_wrapper(name, getattr(torch.Tensor, name)) for name in _PATCHED}
-        if not self.hidden:
-            # all wrappers share one code object; _record and helpers run under its SKIP
-            _hide_from_dynamo([next(iter(wrappers.values()))])
-            self.hidden = True
-        self._restore = _torch_private.patch_tensor_methods(wrappers)
+def _patch_tensor_methods() -> Callable[[], None]:
+    """Install the method wrappers on ``torch.Tensor`` (while any counter is active); return
+    ``restore()``."""
+    global _hidden
+    wrappers = {name: _make_wrapper(name, getattr(torch.Tensor, name)) for name in _PATCHED}
+    if not _hidden:
+        # all wrappers share one code object; _record and helpers run under its SKIP
+        _hide_from_dynamo([next(iter(wrappers.values()))])
+        _hidden = True
+    return _torch_private.patch_tensor_methods(wrappers)
 
-    def uninstall(self) -> None:
-        restore, self._restore = self._restore, None
-        if restore is not None:
-            restore()
+
+def _nothing() -> None:
+    pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -941,9 +938,9 @@ class _Session:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._recs: list[SyncCounts] = []
-        self._patcher = _Patcher()
         self._prof: _Profiler | None = None
-        self._unwatch: Callable[[], None] | None = None
+        self._unpatch: Callable[[], None] = _nothing
+        self._unwatch: Callable[[], None] = _nothing
         self._paused = 0  # compiles in progress that stopped the profiler
         self._chunk_end = 0.0
         self.resume_pending = False
@@ -960,7 +957,7 @@ class _Session:
             self._flush()
             if not self._recs:
                 self.accelerator = _accelerator_available()
-                self._patcher.install()
+                self._unpatch = _patch_tensor_methods()
                 self._watch_pauses()
             self._recs.append(rec)
             self.active = True
@@ -977,10 +974,9 @@ class _Session:
             self._recs.remove(rec)
             if not self._recs:
                 self.active = False
-                self._patcher.uninstall()
-                unwatch, self._unwatch = self._unwatch, None
-                if unwatch is not None:
-                    unwatch()
+                self._unpatch()
+                self._unwatch()
+                self._unpatch = self._unwatch = _nothing
                 self._paused = 0
                 self.resume_pending = False
             self._restart()

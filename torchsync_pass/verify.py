@@ -175,15 +175,10 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The bit patterns of ``t`` as integers (complex: as pairs of float bit patterns)."""
-    if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj()) if t.is_conj() else torch.view_as_real(t)
-    t = t.resolve_neg() if t.is_neg() else t
+    t = _real_view(t).resolve_neg()
     if t.dtype == torch.bool:
         return t.to(torch.uint8)
-    int_dtype = _INT_OF_SIZE.get(t.element_size())
-    if int_dtype is None:  # pragma: no cover - no such dtype in 2.13
-        raise TypeError(f"cannot take the bit pattern of {t.dtype}")
-    return t.view(int_dtype)
+    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 def _real_view(t: torch.Tensor) -> torch.Tensor:
