@@ -376,13 +376,12 @@ def _decision_mark(d: Decision) -> dict[str, Any]:
 
 def _decision_row(d: Decision) -> dict[str, Any]:
     """A sites-table row for a decided site where no sync was counted."""
-    return {
-        "file": d.site.file, "line": d.site.line, "kind": d.kind, "kinds": {}, "count": 0,
-        "host_local": 0, "source": d.source or d.site.source(), "function": d.code,
-        "calls": None, "distinct_values": None, "distinct_values_capped": False,
-        "values": [d.value] if d.value else [], "devices": [], "hoisting_candidate": False,
-        "line_exact": True, "counted": False, "nosync": _decision_mark(d),
-    }
+    from .counting import SiteStats
+
+    row = SiteStats(site=d.site, function=d.code).to_json()
+    row.update(kind=d.kind, source=d.source or row["source"], values=[d.value] if d.value else [],
+               counted=False, nosync=_decision_mark(d))
+    return row
 
 
 def _verification_entry(entry: dict) -> dict[str, Any]:
