@@ -239,9 +239,10 @@ class ConeState:
     def running(self) -> Iterator[None]:
         """The state the cone runs in: no grad, the traced default dtype, syncs booked to the site.
 
-        NOTE: the guard runs after Dynamo's global-state guards passed, so grad mode, default
-        dtype and autocast (off: cones traced under autocast are rejected) match the trace; the
-        default dtype is pinned anyway since every cache entry of the cone shares this memo.
+        NOTE: a guard Dynamo runs after its global-state guard passed sees the traced grad mode,
+        default dtype and autocast (off: cones traced under autocast are rejected); the default
+        dtype is pinned for the calls that skip that guard: ``serving.check_request``, and a
+        ``guard_filter_fn`` that keeps nosync's guard but drops the global-state one.
         """
         dtype = self.result.default_dtype
         saved = torch.get_default_dtype()
