@@ -83,7 +83,6 @@ class LeafInfo:
     name: str  # dotted user name, e.g. "token_types", "self.attn.mask"
     role: str
     declared: bool
-    inference: bool
 
 
 @dataclass
@@ -353,8 +352,7 @@ def analyze_cone(
             return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is a {type(leaf.example).__name__}")
         name = dotted_name(leaf.source)
         decl = is_declared(name, declared)
-        inference = leaf.example.is_inference()
-        if inference and not decl:
+        if leaf.example.is_inference() and not decl:
             return ConeResult(False, Reason.INFERENCE_TENSOR, f"{name} is an inference tensor")
         if leaf.example.requires_grad and not decl:
             return ConeResult(False, Reason.TRAINABLE_LEAF, f"{name} requires grad")
@@ -364,7 +362,7 @@ def analyze_cone(
             return ConeResult(False, Reason.CROSS_BREAK_INPUT, f"{leaf.source} of a resume function")
         if leaf.role not in ("parameter", "buffer") and not decl:
             speculative = True
-        infos.append(LeafInfo(leaf.source, name, leaf.role, decl, inference))
+        infos.append(LeafInfo(leaf.source, name, leaf.role, decl))
         examples.append(leaf.example)
 
     for n in cone_nodes if index is None else ():

@@ -947,7 +947,6 @@ class _Session:
         self.active = False
         self.profiling = False
         self.accelerator = False
-        self.chunks = 0
 
     def recorders(self) -> list[SyncCounts]:
         return list(self._recs)
@@ -1057,7 +1056,6 @@ class _Session:
         if ok:
             self._prof = prof
             self.profiling = True
-            self.chunks += 1
             self._chunk_end = time.monotonic() + PROFILER_CHUNK_S
             for r in want:
                 r.profiled = True

@@ -607,7 +607,6 @@ class _Progress:
         self.counter, self.interval = counter, interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.lines = 0
 
     def __enter__(self) -> "_Progress":
         if self.interval > 0:
@@ -629,7 +628,6 @@ class _Progress:
             print(f"{PROG}: {elapsed:.0f} s, {self.counter.total} host syncs so far, "
                   f"{len(DECISIONS.all()) - self._decisions0} nosync decisions", file=sys.stderr,
                   flush=True)
-            self.lines += 1
 
 
 def main(argv: list[str] | None = None) -> int:

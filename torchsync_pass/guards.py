@@ -273,7 +273,6 @@ class SiteState:
     code_name: str
     cones: dict = field(default_factory=dict)  # fingerprint -> ConeState
     demoted: Optional[Reason] = None
-    demoted_detail: str = ""
     guard_syncs: int = 0
     guard_hits: int = 0
 
@@ -718,7 +717,7 @@ _budget_frames: set = set()
 
 
 def _demote(state: SiteState, reason: Reason, detail: str, compile_id: Optional[str] = None) -> Reason:
-    state.demoted, state.demoted_detail = reason, detail
+    state.demoted = reason
     _record(state, Action.DEMOTED, reason, detail, compile_id=compile_id)
     return reason
 
