@@ -109,13 +109,6 @@ class Decision:
         d["reason_text"] = self.reason.value
         return d
 
-    def describe(self) -> str:
-        src = self.source or self.site.source()
-        what = f"{self.site}: {src}" if src else str(self.site)
-        tail = f" ({self.detail})" if self.detail else ""
-        val = f" = {self.value}" if self.value else ""
-        return f"{what}\n    {self.action.value} {self.kind}{val}: {self.reason.value}{tail}"
-
 
 MAX_DECISIONS = 10_000
 
