@@ -383,8 +383,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         if lifted is not None:
             return lifted
     if not result.ok:
-        _record(state, Action.REJECTED, result.reason, result.detail, compile_id=compile_id)
-        return False, _why(result.reason, result.detail)
+        return _reject(state, result.reason, result.detail, compile_id)
 
     # NOTE: the state keeps weak references only; holding the leaf tensors here would keep a
     # step-varying input alive and hide that it changes every step.
@@ -403,14 +402,10 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     try:
         entry, synced = cone.current(leaves, cone.memo_for(bits))
     except Exception as e:
-        detail = f"{type(e).__name__}: {e}"
-        _record(state, Action.REJECTED, Reason.EVAL_FAILED, detail, compile_id=compile_id)
-        return False, _why(Reason.EVAL_FAILED, detail)
+        return _reject(state, Reason.EVAL_FAILED, f"{type(e).__name__}: {e}", compile_id)
     value = entry.value
     if not _hoistable(value):
-        detail = f"value of type {type(value).__name__}"
-        _record(state, Action.REJECTED, Reason.UNSUPPORTED_VALUE, detail, compile_id=compile_id)
-        return False, _why(Reason.UNSUPPORTED_VALUE, detail)
+        return _reject(state, Reason.UNSUPPORTED_VALUE, f"value of type {type(value).__name__}", compile_id)
 
     spec = cone.specs.get(entry.key)
     if spec is None:
@@ -505,8 +500,10 @@ def _count_recompile(site: dynamo_hooks.SyncSite, compile_id: Optional[str]) -> 
         counters()["recompiles"] += 1
 
 
-def _why(reason: Reason, detail: str) -> str:
-    return reason.value + (f" ({detail})" if detail else "")
+def _reject(state: SiteState, reason: Reason, detail: str, compile_id: Optional[str]) -> tuple[bool, Any]:
+    """Record the site as rejected; the policy's answer (False, why not)."""
+    _record(state, Action.REJECTED, reason, detail, compile_id=compile_id)
+    return False, reason.value + (f" ({detail})" if detail else "")
 
 
 _FAILURES = itertools.count()

@@ -64,7 +64,7 @@ from .guards import (
     _new_value_demotion,
     _hoistable,
     _record,
-    _why,
+    _reject,
     value_key,
 )
 from .report import Action, Reason
@@ -291,7 +291,3 @@ def _cone_state(state: SiteState, site: dynamo_hooks.SyncSite, result: ConeResul
         state.cones[fp] = cone
     return cone, fp
 
-
-def _reject(state: SiteState, reason: Reason, detail: str, compile_id: Optional[str]) -> tuple[bool, Any]:
-    _record(state, Action.REJECTED, reason, detail, compile_id=compile_id)
-    return False, _why(reason, detail)
