@@ -696,7 +696,8 @@ _OP_KIND = {
     "aten::_index_put_impl_": "mask_assign",
     "aten::_local_scalar_dense": "local_scalar_dense",
 }
-_CUDA_SYNC = {"cudaStreamSynchronize": "stream", "cudaDeviceSynchronize": "device"}
+# runtime call -> the CudaCounts field it counts in (a DtoH cudaMemcpyAsync: dtoh_memcpy)
+_CUDA_SYNC = {"cudaStreamSynchronize": "stream_synchronize", "cudaDeviceSynchronize": "device_synchronize"}
 
 
 @dataclass
@@ -823,12 +824,8 @@ def _process_events(raw: list[Any], mode: str) -> tuple[list[_Event], collection
             if is_sync_op or is_cuda_sync:
                 site, fn, code_key, exact = _attribute(stack)
                 if is_cuda_sync:
-                    if ev.name == "cudaStreamSynchronize":
-                        cuda.stream_synchronize += 1
-                    elif ev.name == "cudaDeviceSynchronize":
-                        cuda.device_synchronize += 1
-                    else:
-                        cuda.dtoh_memcpy += 1
+                    counted_as = _CUDA_SYNC.get(ev.name, "dtoh_memcpy")
+                    setattr(cuda, counted_as, getattr(cuda, counted_as) + 1)
                     cuda.by_site[site] += 1
                 elif not any(
                     s.name.startswith("torchsync_pass::") for s in stack
