@@ -311,3 +311,67 @@ def test_weights_that_require_grad_are_cached_only_declared_and_without_grad(dec
     m(x).sum().backward()
     assert_bitwise(g, m.w.grad)
     assert len(cached_decisions()) == (1 if declared else 0)
+
+
+# --- Invariant inputs beyond buffers and declarations: the leaves nosync already guards --------
+
+
+def speculated_step(x, tokens):
+    if (tokens > 2).any():  # hoisted: tokens becomes a guarded (speculated) leaf
+        x = x * 2.0
+    return x + tokens.float().cumsum(0)
+
+
+def test_leaf_of_a_hoisted_sync_is_invariant_and_a_write_to_it_recomputes():
+    x = torch.randn(16)
+    tokens = torch.arange(16)
+    f = compiled(speculated_step, EAGER, x, tokens)
+    assert [run_both(f, speculated_step, x, tokens) for _ in range(2)] == [0, 0]  # computed when compiled
+    tokens[0] = 1  # written in place mid request (the hoisted answer stays): recomputed once
+    assert [run_both(f, speculated_step, x, tokens) for _ in range(2)] == [1, 0]
+    tokens = torch.arange(16).flip(0)  # a new request: a new object
+    assert [run_both(f, speculated_step, x, tokens) for _ in range(2)] == [1, 0]
+    (d,) = cached_decisions()
+    assert d.leaves == ("tokens",) and "cumsum" in d.source
+    assert counters["nosync"]["recompiles"] == 0
+
+
+class Schedule:
+    """A scheduler's per-request table read at a Python int step counter (lifted), and at index 0."""
+
+    def __init__(self) -> None:
+        self.sigmas = torch.linspace(1.0, 0.0, 11)
+        self._step_index = 0
+
+
+def schedule_step(x, s):
+    sigma = s.sigmas[s._step_index]
+    if sigma > 0.45:  # a sync on the table at the counter: lifted once the counter is dynamic
+        x = x * 2.0
+    scale = (s.sigmas[0] ** 2 + 1.0).rsqrt()  # the table at a constant index: invariant
+    return x * scale + sigma
+
+
+def run_schedule(f, x, s, steps):
+    seen = []
+    for i in range(steps):
+        s._step_index = i
+        out, n = op_count(f, x, s, op="aten::rsqrt")
+        assert_bitwise(out, schedule_step(x, s))
+        seen.append(n)
+    return seen
+
+
+def test_lifted_table_read_at_a_constant_index_is_invariant():
+    x = torch.randn(4)
+    s = Schedule()
+    f = torch.compile(schedule_step, backend=NosyncBackend(EAGER))
+    run_schedule(f, x, s, 2)  # index 0 (plain hoist), then index 1: the counter is dynamic, lifted
+    lifted = [d for d in torchsync_pass.decisions() if d.reason is Reason.TABLE_LIFTED]
+    assert lifted and lifted[-1].leaves == ("s.sigmas", "s._step_index")
+    assert run_schedule(f, x, s, 6)[2:] == [0] * 4  # one graph for indices 0..5: computed once
+    s.sigmas.mul_(1.0)  # the table written in place: recomputed once
+    assert run_schedule(f, x, s, 4) == [1, 0, 0, 0]
+    s.sigmas = torch.linspace(1.0, 0.0, 11) * 0.9  # set_timesteps: a new request
+    assert run_schedule(f, x, s, 4) == [1, 0, 0, 0]
+    assert any(d.leaves == ("s.sigmas",) and "rsqrt" in d.source for d in cached_decisions())

@@ -283,8 +283,17 @@ def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     if mode is not None and mode != "default":
         patches.update(_torch_private.inductor_mode_options(mode))
     if opts.cudagraphs:
+        # NOTE: the cached tensors would be non-static inputs of the CUDA graph, copied into its
+        # buffers at every replay: the whole graph is captured instead (no invariant caching).
         patches["triton.cudagraphs"] = True
-    return _torch_private.inductor_compile(gm, example_inputs, patches or None)
+        return _torch_private.inductor_compile(gm, example_inputs, patches)
+
+    def compile_step(step: torch.fx.GraphModule, step_inputs: list) -> Callable:
+        return _torch_private.inductor_compile(step, step_inputs, patches or None)
+
+    # Split: the step part is compiled by Inductor, the invariant part runs as FX once per request.
+    split = cache_invariant(gm, opts, example_inputs, compile_step)
+    return split.fn if split.modified else compile_step(gm, example_inputs)
 
 
 def _check_cudagraphs(gm: torch.fx.GraphModule, example_inputs: list, compile_id: Optional[str]) -> None:

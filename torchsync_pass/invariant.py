@@ -1,4 +1,4 @@
-"""Cache request-invariant tensor work across calls (``codegen="eager"``).
+"""Cache request-invariant tensor work across calls (both codegens).
 
 Hoisting removes the *syncs* of a step, but every tensor computed only from request-invariant
 inputs (a mask built from a buffer, an embedding of a fixed table) is still recomputed at every
@@ -7,13 +7,15 @@ step. :func:`cache_invariant` splits the graph nosync hands to codegen into
 * an *invariant* GraphModule: the maximal pure subgraph whose every input is a request-invariant
   placeholder, returning the values the rest of the graph reads (the *frontier*), and
 * a *step* GraphModule: the original graph with each cached frontier value turned into an extra
-  placeholder (nodes that nothing reads any more are dropped).
+  placeholder (nodes that nothing reads any more are dropped). With ``codegen="inductor"`` the
+  backend compiles it with Inductor (``compile_step``); the invariant part always runs as FX.
 
 :class:`InvariantRunner` runs the invariant part once per request and keeps its results in a small
 LRU memo keyed like a hoisted value (:class:`torchsync_pass.guards.ConeMemo`: weak identity,
 ``_version``, data pointer, shape, stride and dtype of every leaf), one memo per grad mode. A write
 to a leaf, a new leaf object or the other grad mode misses and recomputes. The cached tensors are
-the same eager ops on the same inputs, so the outputs stay bitwise equal to eager.
+the same eager ops on the same inputs, so with ``codegen="eager"`` the outputs stay bitwise equal
+to eager.
 
 Before::
 
@@ -38,10 +40,11 @@ After (step part, every call)::
 
 The rule (see the README, "Invariant tensors across calls"):
 
-* invariant leaves: tensor placeholders that are buffers or parameters of the compiled module, or
-  are named in ``options["invariant"]``; none may have symbolic sizes or be an inference tensor (no
-  ``_version`` to notice a write), and one that requires grad must be declared (fused optimizers
-  update parameters without bumping ``_version``);
+* invariant leaves: tensor placeholders that are buffers or parameters of the compiled module, are
+  named in ``options["invariant"]``, or are already guarded by nosync for a hoisted or lifted sync
+  of this graph (:func:`guarded`: speculated inputs, lifted tables); none may have symbolic sizes
+  or be an inference tensor (no ``_version`` to notice a write), and one that requires grad must be
+  declared (fused optimizers update parameters without bumping ``_version``);
 * an op is invariant when all its inputs are invariant and it is a plain op (no random op, no
   in-place or ``out=`` writer, no internal, module or higher-order op: :func:`cone._impure_reason`);
   no node whose memory (by storage, so views count) the graph writes or returns is invariant;
@@ -55,6 +58,13 @@ The rule (see the README, "Invariant tensors across calls"):
 NOTE: a cached tensor is never handed to the caller (values the graph returns are excluded) and is
 never written by the step (written storages are excluded), so it needs no copy.
 
+NOTE: with Inductor the step part is fused without the invariant ops, so its bits are those of stock
+Inductor on the *hand-split* step (the invariant tensors computed in eager and passed in), not
+necessarily those of stock Inductor on the whole graph.
+
+Public, stable: :func:`cache_invariant`, :class:`InvariantSplit`, :class:`InvariantRunner`,
+:func:`guarded`, ``DEFAULT_CACHE_BYTES``.
+
 This module only builds new graphs; it never mutates the graph it is given.
 """
 
@@ -62,12 +72,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import fx
 
-from . import cone, dynamo_hooks, symbolic
+from . import _torch_private, cone, dynamo_hooks, symbolic
 from .guards import MEMO_SIZE, ConeMemo, counters
 from .report import DECISIONS, Action, Decision, Reason, SiteKey
 
@@ -85,6 +95,7 @@ class InvariantSplit:
     cached: list[Decision] = field(default_factory=list)
     skipped: list[Decision] = field(default_factory=list)
     runner: Optional["InvariantRunner"] = None
+    step_graph: Optional[fx.GraphModule] = None  # the step part before codegen (for tests, explain)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -98,13 +109,24 @@ def _invariant_leaf(n: fx.Node, declared: tuple[str, ...]) -> Optional[str]:
         return None
     name = cone.dotted_name(leaf.source)
     decl = cone.is_declared(name, declared)
-    if leaf.role not in ("parameter", "buffer") and not decl:
+    if leaf.role not in ("parameter", "buffer") and not decl and not guarded(n):
         return None
     if leaf.example.is_inference() or (leaf.example.requires_grad and not decl):
         return None
     if symbolic.free_symbols_of(leaf.example, cone._example(n)):
         return None
     return name
+
+
+def guarded(n: fx.Node) -> bool:
+    """Is placeholder ``n`` a leaf that nosync already guards for a hoisted sync of this graph?
+
+    The leaves of hoisted cones (:func:`torchsync_pass.guards.decide`: buffers, declared and
+    *speculated* inputs) and the tables of lifted cones (:mod:`torchsync_pass.tables`, whatever
+    index the graph reads them at) carry ``cone.HOISTED_LEAF_META``. Their invariance was already
+    judged (and a site whose leaves change on every call is demoted, so a later graph has no tag).
+    """
+    return bool(n.meta.get(cone.HOISTED_LEAF_META))
 
 
 def _enters_global_state(graph: fx.Graph) -> bool:
@@ -171,8 +193,21 @@ def _ancestors_leaves(n: fx.Node, names: dict[fx.Node, str]) -> tuple[str, ...]:
     return tuple(sorted(names[m] for m in cone.cone_of(n) if m in names))
 
 
-def cache_invariant(gm: fx.GraphModule, opts: Any) -> InvariantSplit:
-    """Split ``gm`` into an invariant part (once per request) and a step part; see the module doc."""
+CompileStep = Callable[[fx.GraphModule, list], Callable[..., Any]]
+
+
+def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequence[Any]] = None,
+                    compile_step: Optional[CompileStep] = None) -> InvariantSplit:
+    """Split ``gm`` into an invariant part (once per request) and a step part; see the module doc.
+
+    ``opts`` needs ``invariant`` (declared names) and ``invariant_cache_bytes``. Without
+    ``compile_step`` the step part runs as its FX graph (``codegen="eager"``). With it, the step
+    part is compiled as ``compile_step(step_gm, example_inputs + cached)``, where ``cached`` are the
+    invariant part's real results on ``example_inputs`` (the tensors the step will be fed, same
+    sizes and strides); the invariant part itself always runs as its FX graph (eager ops).
+    Returns ``InvariantSplit(modified=False, fn=gm.forward)`` when nothing is cached (then nothing
+    was compiled: the caller compiles ``gm`` whole).
+    """
     graph = gm.graph
     limit = opts.invariant_cache_bytes
     if limit == 0 or cone._autocast_devices() or _enters_global_state(graph):
@@ -207,9 +242,32 @@ def cache_invariant(gm: fx.GraphModule, opts: Any) -> InvariantSplit:
         return InvariantSplit(False, gm.forward, decisions, skipped)
     inv_gm, leaf_index = _invariant_module(gm, cached)
     step_gm = _step_module(gm, cached, inv)
+    step: Callable[..., Any] = step_gm
+    if compile_step is not None:
+        step = compile_step(step_gm, _step_examples(inv_gm, leaf_index, cached, example_inputs))
     size = max(1, min(MEMO_SIZE, limit // max(total, 1)))
-    runner = InvariantRunner(inv_gm, step_gm, leaf_index, size)
-    return InvariantSplit(True, runner, decisions, skipped, runner)
+    runner = InvariantRunner(inv_gm, step, leaf_index, size)
+    return InvariantSplit(True, runner, decisions, skipped, runner, step_gm)
+
+
+def _step_examples(inv_gm: fx.GraphModule, leaf_index: tuple[int, ...], cached: list[fx.Node],
+                   example_inputs: Optional[Sequence[Any]]) -> list:
+    """The step part's example inputs: the graph's own, then the invariant part's results on them.
+
+    NOTE: real results, not the fake values of the trace: Inductor specialises on the strides of
+    its example inputs (and asserts them at every call), and these are the very eager ops that
+    will produce the cached tensors at run time. Fake leaves (no real value to run on) fall back
+    to the trace's fake values.
+    """
+    if example_inputs is None:
+        raise ValueError("cache_invariant: compile_step needs the graph's example_inputs")
+    leaves = [example_inputs[i] for i in leaf_index]
+    if any(_torch_private.is_fake(t) for t in leaves):
+        values = [cone._example(n) for n in cached]
+    else:
+        with torch.no_grad():
+            values = list(inv_gm(*leaves))
+    return list(example_inputs) + values
 
 
 def _invariant_module(gm: fx.GraphModule, cached: list[fx.Node]) -> tuple[fx.GraphModule, tuple[int, ...]]:
@@ -265,7 +323,7 @@ def _step_module(gm: fx.GraphModule, cached: list[fx.Node], inv: set[fx.Node]) -
 class InvariantRunner:
     """Calls the step with the invariant values of this request: memoized, recomputed on a miss."""
 
-    def __init__(self, invariant: fx.GraphModule, step: fx.GraphModule, leaf_index: tuple[int, ...],
+    def __init__(self, invariant: fx.GraphModule, step: Callable[..., Any], leaf_index: tuple[int, ...],
                  size: int) -> None:
         self.invariant = invariant
         self.step = step
