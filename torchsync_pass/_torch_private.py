@@ -225,11 +225,16 @@ def profiler_events(prof: Any) -> list[Any]:
     return list(prof.kineto_results.events())
 
 
+_COUNTERS: list = []  # torch._dynamo.utils.counters, imported once (hot paths ask at every call)
+
+
 def nosync_counters() -> Any:
     """``torch._dynamo.utils.counters["nosync"]``, the package's counters."""
-    from torch._dynamo.utils import counters
+    if not _COUNTERS:
+        from torch._dynamo.utils import counters
 
-    return counters["nosync"]
+        _COUNTERS.append(counters)
+    return _COUNTERS[0]["nosync"]
 
 
 def trace_artifact(name: str, payload_fn: Callable[[], str]) -> None:
