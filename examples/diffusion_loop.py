@@ -43,11 +43,13 @@ class Denoiser(nn.Module):
         self.proj_out = nn.Linear(dim, dim)
         self.register_buffer("noise_scale", torch.tensor(0.25))
 
-    def time_embed(self, t: torch.Tensor) -> torch.Tensor:
+    def frequencies(self, device: torch.device) -> torch.Tensor:
         half = self.dim // 2
-        steps = torch.arange(half, dtype=torch.float32, device=t.device)
-        freqs = torch.exp(steps * (-math.log(1e4) / half))
-        ang = t.float()[None] * freqs
+        steps = torch.arange(half, dtype=torch.float32, device=device)
+        return torch.exp(steps * (-math.log(1e4) / half))
+
+    def time_embed(self, t: torch.Tensor) -> torch.Tensor:
+        ang = t.float()[None] * self.frequencies(t.device)
         return torch.cat([ang.sin(), ang.cos()])
 
     def forward(self, x, t, token_types, guidance_scale, grid_hw):
@@ -83,11 +85,14 @@ class DenoiserHoisted(Denoiser):
         self.cfg_on = request["guidance_scale"].item() > 1.0
         self.noise_scale_value = self.noise_scale.item()
 
+    def type_embedding(self, token_types: torch.Tensor) -> torch.Tensor:
+        return self.type_embed(token_types)
+
     def forward(self, x, t, token_types, guidance_scale, grid_hw):
         n_img = self.n_img
         h = self.proj_in(x) + self.time_embed(t)
         if self.has_text:
-            h = h + self.type_embed(token_types)
+            h = h + self.type_embedding(token_types)
         img = h[-n_img:].reshape(self.gh, self.gw, self.dim)
         img = img + 0.5 * img.roll(1, dims=0)
         h = torch.cat([h[:-n_img], img.reshape(n_img, self.dim)])
@@ -95,6 +100,28 @@ class DenoiserHoisted(Denoiser):
         if self.cfg_on:
             out = out * guidance_scale
         return out * self.noise_scale_value
+
+
+class DenoiserSplit(DenoiserHoisted):
+    """Hand-split reference: the hand-hoisted step, with its request-invariant *tensors* (the time
+    embedding's frequency table, the type embedding) also computed once per request, in eager.
+
+    The exact reference for nosync with invariant caching under Inductor: the same eager ops make
+    the cached tensors, and the step that reads them is the same graph as nosync's step part.
+    """
+
+    def set_request(self, request) -> None:
+        super().set_request(request)
+        with torch.no_grad():
+            self.freqs = self.frequencies(request["x"].device)
+            self.type_emb = self.type_embed(request["token_types"])
+
+    def time_embed(self, t: torch.Tensor) -> torch.Tensor:
+        ang = t.float()[None] * self.freqs
+        return torch.cat([ang.sin(), ang.cos()])
+
+    def type_embedding(self, token_types: torch.Tensor) -> torch.Tensor:
+        return self.type_emb
 
 
 def make_request(size: str = "tiny", seed: int = 0, guidance: float = 4.0):
@@ -121,6 +148,12 @@ def make_hoisted_model(size: str = "tiny", seed: int = 0) -> DenoiserHoisted:
     """The hand-hoisted reference with the same weights as ``make_model(size, seed)``."""
     torch.manual_seed(seed)
     return DenoiserHoisted(SIZES[size][0]).eval()
+
+
+def make_split_model(size: str = "tiny", seed: int = 0) -> DenoiserSplit:
+    """The hand-split reference with the same weights as ``make_model(size, seed)``."""
+    torch.manual_seed(seed)
+    return DenoiserSplit(SIZES[size][0]).eval()
 
 
 def denoise(step, request, steps: int = 50):

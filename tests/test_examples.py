@@ -88,9 +88,10 @@ def test_example_runs_as_a_script():
 # eager semantics of the examples themselves
 
 
+@pytest.mark.parametrize("make", ["make_hoisted_model", "make_split_model"])
 @pytest.mark.parametrize("size", ["tiny", "large"])
-def test_diffusion_hoisted_reference_is_bitwise_equal(size):
-    model, hoisted = diffusion_loop.make_model(size), diffusion_loop.make_hoisted_model(size)
+def test_diffusion_hoisted_reference_is_bitwise_equal(size, make):
+    model, hoisted = diffusion_loop.make_model(size), getattr(diffusion_loop, make)(size)
     with torch.no_grad():
         request = diffusion_loop.make_request(size)
         want = diffusion_loop.denoise(model, request, 3)
