@@ -928,7 +928,9 @@ def verify_examples(args: argparse.Namespace, device: torch.device) -> dict[str,
         reset_dynamo()
         with _device_ctx(device):
             model = to_device(mod.make_model(ex.size), device)
-            hoisted = to_device(mod.make_hoisted_model(ex.size), device)
+            # nosync caches the invariant tensors ex.invariant makes invariant: its exact reference
+            # is the hand-split step (the hand-hoisted one computes them inside Inductor's kernels)
+            hoisted = to_device(mod.make_split_model(ex.size), device)
         request = to_device(mod.make_request(ex.size), device)
         hoisted.set_request(request)
         timesteps = torch.tensor([1.0 - i / steps for i in range(steps)], device=device)
@@ -944,7 +946,8 @@ def verify_examples(args: argparse.Namespace, device: torch.device) -> dict[str,
             r = state["request"]
             return (state["x"], timesteps[i], r["token_types"], r["guidance_scale"], r["grid_hw"]), {}
 
-        report = verify_loop(model, calls, setup=setup, hoisted=hoisted, steps=steps)
+        report = verify_loop(model, calls, setup=setup, hoisted=hoisted, steps=steps,
+                             options={"invariant": list(ex.invariant)})
         out[name] = report.to_json()
         log_progress(f"{name}: verify_loop {'ok' if report.ok else 'DIVERGED'}")
         print(f"verify_loop on {name}:\n{report}", file=sys.stderr)

@@ -375,3 +375,20 @@ def test_lifted_table_read_at_a_constant_index_is_invariant():
     s.sigmas = torch.linspace(1.0, 0.0, 11) * 0.9  # set_timesteps: a new request
     assert run_schedule(f, x, s, 4) == [1, 0, 0, 0]
     assert any(d.leaves == ("s.sigmas",) and "rsqrt" in d.source for d in cached_decisions())
+
+
+def test_speculated_leaf_interleaved_requests_and_grad_mode():
+    x = torch.randn(16, requires_grad=True)
+    a, b = torch.arange(16), torch.arange(16).flip(0).contiguous()
+    with torch.no_grad():
+        f = compiled(speculated_step, EAGER, x, a)
+        assert [run_both(f, speculated_step, x, t) for t in (b, a, b, a)] == [1, 0, 0, 0]
+    # Grad mode on: a recompile (Dynamo guards grad mode) with its own memo; the input's gradient
+    # flows through the step part as in eager.
+    f(x, a)
+    assert [run_both(f, speculated_step, x, t) for t in (a, b, a)] == [0, 1, 0]
+    f(x, b).sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    speculated_step(x, b).sum().backward()
+    assert_bitwise(g, x.grad)

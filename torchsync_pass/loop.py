@@ -290,7 +290,10 @@ def verify_loop(
         hoisted: the hand-hoisted step (request-invariant values passed as Python constants). If
             given, stock Inductor on it becomes the bitwise reference of ``"nosync-inductor"``,
             which is the exact one (removing a break lets Inductor fuse across it, so stock Inductor
-            on the split original may legitimately differ by an ULP).
+            on the split original may legitimately differ by an ULP). When nosync caches invariant
+            tensors (README, "Invariant tensors across calls"), the exact reference is the
+            hand-*split* step (those tensors computed in eager and passed in), or pass
+            ``options={"invariant_cache_bytes": 0}``.
         compile_kwargs: more ``torch.compile`` arguments for every mode (``dynamic``, ``fullgraph``).
         max_mismatches: at most this many differing steps are kept per mode (all are counted).
 
