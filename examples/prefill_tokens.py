@@ -1,4 +1,4 @@
-"""A speech-style prefill that reads every token back to the host: the honest counter-example.
+"""A speech-style prefill that reads every token back to the host, and nosync's device-side rewrite.
 
 Mirrors the front end of text-to-speech and speech-prompted models: the text (or phoneme) ids of a
 request are turned into per-position features by looking each id up in a table that lives on the
@@ -9,13 +9,21 @@ Python side (a lexicon or a cache of per-token prompt features), one position at
 
 and the request is prefilled in chunks, so each step of the loop sees a new chunk of tokens.
 
-These syncs are *not* request-invariant: every step reads different positions and every request
-brings new tokens, so there is nothing to hoist. The nosync backend must leave them exactly as
-stock Dynamo does (same syncs per step, same results) and its explain report must say why
-(the value depends on a tensor that changes on every call). The right fix for this pattern is in
-the model (an ``nn.Embedding`` gather instead of a host-side table), not in the compiler.
+These reads are *not* request-invariant: every step reads different positions and every request
+brings new tokens, so there is nothing to hoist. But each value is used only to index a Python list
+of same-shape tensors, so the host never needs it: nosync traces each read as a gather on the device
+(the list stacked into one tensor, once per request with ``codegen="eager"``, then
+``aten.index`` at the 0-d token), which copies the same bits: 8 syncs per step (one per token) become
+0, in one graph with no break, bitwise equal to eager (see README, "Reads used only as an index").
+``make_vectorized_model`` is the same model with the gather written by hand
+(``torch.stack(self.table)[tokens]``): stock Inductor on it is the exact reference of nosync with
+Inductor.
 
-Run it:  python examples/prefill_tokens.py [--backend eager|inductor|nosync] [--steps N]
+Sizes: ``tiny`` (8 tokens per chunk, 64-entry table) and ``long`` (64 tokens per chunk, 512
+entries) are CPU-bound: the host side (one read and one Python-level lookup per token) dominates.
+``wide`` (8 tokens, 1,024 features) is compute-bound on a CPU: its two matmuls dominate.
+
+Run it:  python examples/prefill_tokens.py [--backend eager|inductor|nosync] [--steps N] [--size S]
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from torch import nn
 SIZES = {
     # name: (table entries, feature dim, tokens per chunk, chunks per request)
     "tiny": (64, 32, 8, 16),
+    "long": (512, 32, 64, 8),
+    "wide": (64, 1024, 8, 4),
 }
 
 
@@ -50,7 +60,7 @@ class Prefill(nn.Module):
     def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
         rows = []
         for i in range(tokens.shape[0]):
-            rows.append(self.table[tokens[i].item()])  # sync: .item() per position, step-varying
+            rows.append(self.table[tokens[i].item()])  # a host read per position (eager, stock Dynamo)
         return torch.stack(rows)
 
     def forward(self, tokens: torch.Tensor, state: torch.Tensor):
@@ -59,10 +69,24 @@ class Prefill(nn.Module):
         return h, 0.9 * state + 0.1 * h.mean(dim=0, keepdim=True)
 
 
+class VectorizedPrefill(Prefill):
+    """The hand fix: one gather on the device for the whole chunk, no host read."""
+
+    def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.table)[tokens]
+
+
 def make_model(size: str = "tiny", seed: int = 0) -> Prefill:
     n_entries, dim, _, _ = SIZES[size]
     torch.manual_seed(seed)
     return Prefill(n_entries, dim).eval()
+
+
+def make_vectorized_model(size: str = "tiny", seed: int = 0) -> VectorizedPrefill:
+    """Same weights and table as ``make_model(size, seed)``, gather written by hand."""
+    n_entries, dim, _, _ = SIZES[size]
+    torch.manual_seed(seed)
+    return VectorizedPrefill(n_entries, dim).eval()
 
 
 def make_request(size: str = "tiny", seed: int = 0):
@@ -93,13 +117,14 @@ def main(argv=None) -> None:
     p.add_argument("--backend", choices=["eager", "inductor", "nosync"], default="nosync")
     p.add_argument("--steps", type=int, default=None, help="chunks per request (default: all)")
     p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--size", choices=sorted(SIZES), default="tiny")
     args = p.parse_args(argv)
 
-    model = make_model()
+    model = make_model(args.size)
     step = model if args.backend == "eager" else torch.compile(model, backend=args.backend)
     with torch.no_grad():
         for r in range(args.requests):
-            request = make_request(seed=r)
+            request = make_request(args.size, seed=r)
             t0 = time.perf_counter()
             out = prefill(step, request, args.steps)
             dt = time.perf_counter() - t0

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 import decode_loop
 import diffusion_loop
 import prefill_tokens
+import torchsync_pass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,6 +138,14 @@ def test_decode_stop_check_stops_early_in_eager():
     assert int(out[-1]) in request["stop_ids"].tolist()
 
 
+@pytest.mark.parametrize("size", ["tiny", "long"])
+def test_prefill_vectorized_step_equals_the_original(size):
+    model, vec = prefill_tokens.make_model(size), prefill_tokens.make_vectorized_model(size)
+    request = prefill_tokens.make_request(size, seed=3)
+    with torch.no_grad():
+        assert_bitwise(prefill_tokens.prefill(vec, request, 2), prefill_tokens.prefill(model, request, 2))
+
+
 def test_prefill_reads_every_token_back():
     model = prefill_tokens.make_model()
     request = prefill_tokens.make_request()
@@ -210,17 +219,26 @@ def test_decode_nosync_does_not_guard_the_step_varying_stop_check():
     assert per_request <= 4, f"{per_request} guard syncs in one {steps}-step request"
 
 
-def test_prefill_nosync_changes_nothing():
+def test_prefill_nosync_rewrites_every_read():
+    # step-varying reads used only as a list index: traced as device gathers, 8 -> 0 syncs per step
     model = prefill_tokens.make_model()
     compiled = nosync_eager(prefill_tokens.make_model())
     with torch.no_grad():
-        request = prefill_tokens.make_request(seed=5)
-        want = prefill_tokens.prefill(model, request, 4)
-        got = prefill_tokens.prefill(compiled, request, 4)
-        assert_bitwise(got, want, "prefill")
-        n_eager = syncs_during(lambda: prefill_tokens.prefill(model, request, 4))
-        n_nosync = syncs_during(lambda: prefill_tokens.prefill(compiled, request, 4))
-    assert n_nosync == n_eager == 4 * request["chunk"]
+        for seed in (5, 6):  # two requests, every step compared
+            request = prefill_tokens.make_request(seed=seed)
+            tokens, chunk = request["tokens"], request["chunk"]
+            s_eager = s_nosync = request["state"]
+            for i in range(4):
+                t = tokens[i * chunk : (i + 1) * chunk]
+                n_eager = syncs_during(lambda: model(t, s_eager))
+                n_nosync = syncs_during(lambda: compiled(t, s_nosync))
+                (h1, s_eager), (h2, s_nosync) = model(t, s_eager), compiled(t, s_nosync)
+                assert_bitwise(h2, h1, f"request {seed} step {i}")
+                assert_bitwise(s_nosync, s_eager, f"request {seed} step {i} state")
+                assert (n_eager, n_nosync) == (chunk, 0)
+    assert graphs_and_breaks() == (1, 0)
+    (d,) = [d for d in torchsync_pass.decisions() if d.action is torchsync_pass.Action.REWRITTEN]
+    assert d.reason is torchsync_pass.Reason.INDEX_LIST and "self.table, 64 entries" in d.detail
 
 
 # --------------------------------------------------------------------------------------------

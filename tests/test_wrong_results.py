@@ -318,7 +318,9 @@ TABLE = torch.arange(20.0).reshape(10, 2)
 
 def unrolled(x, tokens):
     for i in range(4):
-        x = x + TABLE[tokens[i].item()]
+        # the read in arithmetic (a read used only as an index, TABLE[t.item()], is rewritten into
+        # a device gather instead: tests/test_rewrite.py)
+        x = x + TABLE[1] * tokens[i].item()
     return x
 
 

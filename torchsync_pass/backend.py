@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import _torch_private, cone, dynamo_hooks, guards
+from . import _torch_private, cone, dynamo_hooks, guards, rewrite
 from .invariant import DEFAULT_CACHE_BYTES, cache_invariant
 from .errors import NosyncError, NosyncOptionsError
 from .report import DECISIONS, Action
@@ -145,6 +145,7 @@ def _is_nosync(fn: Any) -> bool:
 
 
 def _ensure_hooks() -> bool:
+    dynamo_hooks.install_rewriter(rewrite.REWRITER)
     return dynamo_hooks.install(_policy, _is_nosync)
 
 
@@ -195,6 +196,7 @@ def _on_dynamo_reset() -> None:
     # copies of its graph (and of the fake tensors in the graph's meta).
     dynamo_hooks.forget_guard_managers()
     guards.reset(keep_decisions=True)
+    rewrite.reset()
     _release_graphs(_COMPILED)
 
 
@@ -225,6 +227,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     if mode is not None and mode not in MODES:
         raise NosyncOptionsError(f"nosync: unknown mode {mode!r}; valid modes are: {', '.join(MODES)}")
     compile_id = dynamo_hooks.current_compile_id()
+    rewrite.check_graph(gm, compile_id)  # may retrace the frame (a rewritten row that aliases)
     if opts.cudagraphs:
         _check_cudagraphs(gm, example_inputs, compile_id)
     reference = None
@@ -304,7 +307,8 @@ def _check_cudagraphs(gm: torch.fx.GraphModule, example_inputs: list, compile_id
             f"{', '.join(sorted(devices)) or 'no tensor inputs'}. Drop the option on CPU."
         )
     remaining = [
-        d for d in DECISIONS.all() if d.action is not Action.HOISTED and d.compile_id == (compile_id or "")
+        d for d in DECISIONS.all()
+        if d.action not in (Action.HOISTED, Action.REWRITTEN) and d.compile_id == (compile_id or "")
     ]
     if remaining:
         sites = "; ".join(f"{d.site}: {d.source} ({d.reason.value})" for d in remaining[:3])
@@ -323,6 +327,7 @@ def _check_cudagraphs(gm: torch.fx.GraphModule, example_inputs: list, compile_id
 def reset() -> None:
     """Forget every nosync decision, site state, compiled record and ``counters["nosync"]``."""
     guards.reset()
+    rewrite.reset()
     _COMPILED.clear()
     guards.counters().clear()
 

@@ -775,13 +775,228 @@ def _make_method_hook(attr: str, kind: str, original: Callable) -> Callable:
     def hook(self: Any, tx: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs:
             return original(self, tx, *args, **kwargs)
+        # >>> device-side rewrite hook point (issue 13, see "Device-side rewrites" below)
+        rewritten, not_rewritten = _try_rewrite(tx, self, kind)
+        if rewritten is not None:
+            return rewritten
+        # <<<
         ok, value, site = _ask_policy(tx, self, _builtin_caller_kind() if kind == "item" else kind)
         if ok:
             return _const(tx, value)
+        if not_rewritten is not None and site is not None and _rewriter is not None:
+            _rewriter.kept(site, *not_rewritten)  # the sync stays: say why it was not rewritten
         return _stock(site, value, lambda: original(self, tx))
 
     hook.__nosync_hook__ = True  # type: ignore[attr-defined]
     return hook
+
+
+# --------------------------------------------------------------------------------------------
+# Device-side rewrites (issue 13): a step-varying read used only as an index
+# --------------------------------------------------------------------------------------------
+# NOTE [Rewriting a read used as an index]: ``table[t.item()]`` / ``table[int(t)]`` reads ``t`` to
+# the host only to index ``table``. When the instruction after the read's CALL is the
+# BINARY_SUBSCR that consumes it, and the subscripted object (then on top of the translator's
+# stack) is a tensor or a list/tuple of tensors of one shape, dtype and device, the hook traces
+# ``aten.index(table, [t])`` (``torch.stack(list)`` first for a list) instead, pops the table off
+# the stack and skips the BINARY_SUBSCR: the CALL pushes the gathered row, exactly what the
+# subscript would have pushed. aten.index on a 0-d index wraps negative indices like Python and
+# raises IndexError out of range (a device-side assert on CUDA), and copies the row's bits. The
+# rewrite policy (:mod:`torchsync_pass.rewrite`) may refuse a site (a graph it was rewritten in
+# aliased the row, see restart_analysis): the read then takes the ordinary path.
+_rewriter: Any = None  # torchsync_pass.rewrite (set by install_rewriter)
+REWRITE_META = "nosync_rewrite"  # node.meta key: the RewriteUse of a gather / a stacked table
+MAX_LIST_TABLE = 4096  # tensors in a list table, at most (each one becomes a graph input)
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+@dataclass(frozen=True)
+class RewriteUse:
+    """A read used as an index, as plain data for the rewrite policy."""
+
+    form: str  # "tensor" (index into a tensor) or "list" (into a list/tuple of tensors)
+    table: str  # the table's user source, e.g. "L['self'].table"
+    length: int  # entries along the indexed dimension
+    # filled by the policy: the site (key, location, kind, source line, function) for its records
+    site_key: tuple = ()
+    site: Any = None
+    kind: str = ""
+    source: str = ""
+    code: str = ""
+
+
+def install_rewriter(rewriter: Any) -> None:
+    """Let ``rewriter`` (an object with ``allow(site, use)`` and ``kept(site, reason, detail)``)
+    decide the reads used as an index. None switches the rewrite off."""
+    global _rewriter
+    _rewriter = rewriter
+
+
+def _direct_call(tx: Any, kind: str) -> bool:
+    """Is the instruction being traced the read itself (``t.item()``, ``int(t)``,
+    ``operator.index(t)``), so that its result is the read's value?"""
+    inst = tx.current_instruction
+    if inst.opname != "CALL":
+        return False
+    if kind == "item":
+        i = next((k for k, x in enumerate(tx.instructions) if x is inst), None)
+        prev = tx.instructions[i - 1] if i else None
+        while prev is not None and prev.opname in ("PRECALL", "KW_NAMES", "PUSH_NULL") and i > 1:
+            i -= 1
+            prev = tx.instructions[i - 1]
+        return inst.arg == 0 and prev is not None and prev.opname in ("LOAD_METHOD", "LOAD_ATTR") \
+            and prev.argval == "item"
+    want = {"int": int, "index": operator.index}.get(kind)
+    if want is None or inst.arg != 1:
+        return False
+    # the builtin being called: the nearest BuiltinVariable.call_function of this translator
+    f = sys._getframe(2)
+    for _ in range(16):
+        if f is None:
+            return False
+        loc = f.f_locals
+        if f.f_code.co_name == "call_function" and loc.get("tx") is tx:
+            fn = getattr(loc.get("self"), "fn", None)
+            return type(loc.get("self")).__name__ == "BuiltinVariable" and fn is want
+        f = f.f_back
+    return False
+
+
+_USE_WORDS = {"CALL": "passed to a call (a shape, a print, a Python function)", "PRECALL": "passed to a call",
+              "BINARY_OP": "used in arithmetic", "COMPARE_OP": "compared", "STORE_FAST": "stored in a local",
+              "STORE_ATTR": "stored in an attribute", "RETURN_VALUE": "returned", "POP_TOP": "discarded",
+              "FORMAT_VALUE": "formatted as text"}
+
+
+def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
+    """(table variable, RewriteUse) when the read is used only as an index into a tensor or a list
+    of tensors, else (None, (reason name, detail)) saying why not, or (None, None) when the read is
+    not an integer read this rewrite is about."""
+    ex = var.as_proxy().node.meta.get("example_value")
+    if not isinstance(ex, torch.Tensor) or ex.dtype not in _INT_DTYPES or kind not in ("item", "int", "index"):
+        return None, None
+    if any(not isinstance(d, int) for d in ex.shape) or ex.numel() != 1:
+        return None, ("REWRITE_OTHER_USE", "the index tensor has symbolic or non-scalar size")
+    if _user_translator(tx) is not tx or not _direct_call(tx, kind):
+        return None, ("REWRITE_OTHER_USE", "the read is not a direct .item()/int() call in user code")
+    if tx.output.current_tracer is not tx.output.root_tracer:
+        return None, ("REWRITE_OTHER_USE", "the read sits in a nested tracer")
+    nxt = tx.instructions[tx.instruction_pointer] if tx.instruction_pointer is not None else None
+    if nxt is None or nxt.opname != "BINARY_SUBSCR" or not tx.stack:
+        name = "" if nxt is None else nxt.opname
+        words = _USE_WORDS.get(name, f"used in an expression (next instruction: {name})")
+        return None, ("REWRITE_OTHER_USE", f"the value is {words}")
+    table = tx.stack[-1].realize()
+    src = _source_name(getattr(table, "source", None)) or "<a value built in the step>"
+    if table.is_tensor():
+        tex = table.as_proxy().node.meta.get("example_value")
+        if not isinstance(tex, torch.Tensor) or tex.dim() == 0 or not all(isinstance(d, int) for d in tex.shape):
+            return None, ("REWRITE_TABLE", "a 0-d tensor or a tensor with symbolic sizes")
+        if tex.shape[0] == 0 or tuple(tex.stride()[1:]) != _contiguous_strides(tex.shape[1:]):
+            return None, ("REWRITE_TABLE", f"rows of {src} are not contiguous: eager's row would be a strided view")
+        return table, RewriteUse("tensor", src, int(tex.shape[0]))
+    if type(table).__name__ not in ("ListVariable", "TupleVariable"):
+        return None, ("REWRITE_TABLE", f"{src} is a {table.python_type_name()}, not a tensor or a list of tensors")
+    items = table.items
+    if not 0 < len(items) <= MAX_LIST_TABLE:
+        return None, ("REWRITE_TABLE", f"{src} has {len(items)} entries (1..{MAX_LIST_TABLE} are rewritten)")
+    metas = set()
+    for item in items:
+        item = item.realize()
+        iex = item.as_proxy().node.meta.get("example_value") if item.is_tensor() else None
+        if not isinstance(iex, torch.Tensor) or not all(isinstance(d, int) for d in iex.shape):
+            return None, ("REWRITE_TABLE", f"{src} holds something other than tensors of static size")
+        metas.add((tuple(iex.shape), iex.dtype, iex.device, tuple(iex.stride()) == _contiguous_strides(iex.shape)))
+    if len(metas) != 1 or not next(iter(metas))[3]:
+        return None, ("REWRITE_TABLE", f"the tensors of {src} differ in shape, dtype or device, or are not contiguous")
+    return table, RewriteUse("list", src, len(items))
+
+
+def _contiguous_strides(shape: Any) -> tuple:
+    strides, acc = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(strides))
+
+
+def _try_rewrite(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
+    """(gathered row, None) when the read was rewritten; (None, why_not) otherwise."""
+    if _rewriter is None or getattr(_state, "in_stock", False) or not getattr(var, "is_tensor", lambda: False)():
+        return None, None
+    options = _nosync_options(tx)
+    if options is None:
+        return None, None
+    try:
+        table, use = _index_use(tx, var, kind)
+        if table is None:
+            return None, use
+        site = _describe(tx, var, kind, options)
+    except Exception as e:
+        _describe_failed(kind, options, e)
+        return None, None
+    _state.busy = True
+    try:
+        use = _rewriter.allow(site, use)
+    finally:
+        _state.busy = False
+    if use is None:
+        return None, None  # refused earlier (recorded then): the read takes the ordinary path
+    from torch._dynamo.variables.builder import wrap_fx_proxy
+
+    out = tx.output
+
+    def op(kind_: str, target: Any, *args: Any) -> Any:
+        return wrap_fx_proxy(tx, out.create_proxy(kind_, target, args, {}))
+
+    idx = var
+    ex = var.as_proxy().node.meta["example_value"]
+    if ex.dim() != 0:
+        idx = op("call_function", torch.reshape, idx.as_proxy(), ())
+    if ex.dtype != torch.int64:
+        idx = op("call_method", "to", idx.as_proxy(), torch.int64)
+    if use.form == "list":
+        # one stack per list contents and graph: the reads of an unrolled loop share it
+        items = tuple(i.realize().as_proxy().node for i in table.items)
+        stacks = out.__dict__.setdefault("_nosync_stacks", {})
+        stacked = stacks.get(items)
+        if stacked is None or getattr(stacked.as_proxy().node, "_erased", False):
+            stacked = stacks[items] = op("call_function", torch.stack, [i.realize().as_proxy() for i in table.items])
+            stacked.as_proxy().node.meta[REWRITE_META] = use
+        table = stacked
+    row = op("call_function", torch.ops.aten.index.Tensor, table.as_proxy(), [idx.as_proxy()])
+    row.as_proxy().node.meta[REWRITE_META] = use
+    tx.pop()  # the table; the CALL pushes the row in place of ``table[value]``
+    tx.instruction_pointer += 1  # skip the BINARY_SUBSCR
+    return row, None
+
+
+class _RestartForRewrite(Exception):
+    pass
+
+
+def restart_analysis(reason: str) -> "NoReturn":
+    """Trace the frame being compiled again from the start (from inside the backend).
+
+    NOTE: for a rewritten read whose graph turned out to alias the row (written in place,
+    returned): the policy has marked the site, and the second trace keeps the sync. The exception
+    derives from ShortenTraceback so that ``_call_user_compiler`` lets it through, and from
+    RestartAnalysis so that ``convert_frame`` retraces; the speculation log is cleared because the
+    second trace takes another path through the bytecode (as Dynamo's compiler-collective restart
+    does).
+    """
+    from torch._dynamo.exc import RestartAnalysis, ShortenTraceback
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    global _RestartForRewrite
+    if not issubclass(_RestartForRewrite, RestartAnalysis):
+        _RestartForRewrite = type("NosyncRewriteRestart", (RestartAnalysis, ShortenTraceback), {})
+    InstructionTranslator.current_tx().speculation_log.clear()
+    err = _RestartForRewrite.__new__(_RestartForRewrite)
+    Exception.__init__(err, reason)
+    err.restart_reason = reason
+    err.first_useful_frame = None
+    raise err
 
 
 def _is_generic_jump(fn: Any) -> bool:

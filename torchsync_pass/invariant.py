@@ -77,7 +77,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
-from . import _torch_private, cone, dynamo_hooks, symbolic
+from . import _torch_private, cone, dynamo_hooks, rewrite, symbolic
 from .guards import MEMO_SIZE, ConeMemo, _same_call_fn, counters
 from .report import DECISIONS, Action, Decision, Reason, SiteKey
 
@@ -109,7 +109,8 @@ def _invariant_leaf(n: fx.Node, declared: tuple[str, ...]) -> Optional[str]:
         return None
     name = cone.dotted_name(leaf.source)
     decl = cone.is_declared(name, declared)
-    if leaf.role not in ("parameter", "buffer") and not decl and not guarded(n):
+    # (also: the tensors of a list table that a rewritten read stacks, rewrite.py)
+    if leaf.role not in ("parameter", "buffer") and not decl and not guarded(n) and not rewrite.is_table_leaf(n):
         return None
     if leaf.example.is_inference() or (leaf.example.requires_grad and not decl):
         return None

@@ -38,6 +38,8 @@ class Action(enum.Enum):
     DEMOTED = "demoted"
     CACHED = "cached"  # a request-invariant tensor computed once per request (invariant.py)
     NOT_CACHED = "not cached"
+    REWRITTEN = "rewritten"  # a host read used only as an index, traced as device work (rewrite.py)
+    KEPT = "kept"  # a host read that was not rewritten: the sync stays (rewrite.py; the Reason says why)
 
 
 class Reason(enum.Enum):
@@ -83,6 +85,18 @@ class Reason(enum.Enum):
     # CACHED / NOT_CACHED (tensors, not syncs)
     INVARIANT_TENSOR = "computed only from request-invariant inputs through pure ops: once per request"
     CACHE_BYTES = "does not fit in options['invariant_cache_bytes']: recomputed every step"
+    # REWRITTEN / KEPT (rewrite.py: reads used only as an index)
+    INDEX_TENSOR = "used only as an index into a tensor: traced as a device-side gather (aten.index), no host read"
+    INDEX_LIST = (
+        "used only as an index into a Python list of same-shape tensors: the stacked list is gathered "
+        "on the device (aten.index), no host read"
+    )
+    REWRITE_OTHER_USE = "the value is used other than as an index into a tensor or a list of tensors"
+    REWRITE_TABLE = "the indexed object is not a tensor or a list of same-shape contiguous tensors"
+    REWRITE_ALIASED = (
+        "the row is written in place or returned, or its table is written after the read: eager's row "
+        "aliases the table, a gathered copy would not"
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,246 @@
+"""Device-side rewrites (issue 13, part 1): a step-varying host read used only as an index.
+
+``table[t.item()]`` / ``table[int(t)]`` with a tensor table or a Python list of same-shape tensors
+is traced as a device gather: no host read, no graph break, and every call bitwise equal to eager
+(``codegen="eager"``). Reads used otherwise keep their sync and say why. Each call is compared
+with eager on its own copy of the state; syncs are counted with ``count_syncs()``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import torchsync_pass
+from torchsync_pass import Action, NosyncBackend, Reason
+
+
+def assert_bitwise(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), (a.shape, b.shape)
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
+def compiled(fn):
+    backend = NosyncBackend({"codegen": "eager"})
+    return torch.compile(fn, backend=backend), backend
+
+
+def syncs(fn, *args):
+    with torchsync_pass.count_syncs(stacks=False) as c:
+        out = fn(*args)
+    return out, c.total
+
+
+def decisions(action):
+    return [d for d in torchsync_pass.decisions() if d.action is action]
+
+
+class TensorTable(nn.Module):
+    def __init__(self, n=16, dim=6):
+        super().__init__()
+        self.emb = nn.Embedding(n, dim)
+
+    def forward(self, tokens):
+        rows = []
+        for i in range(tokens.shape[0]):
+            rows.append(self.emb.weight[tokens[i].item()])  # index into a tensor
+        return torch.stack(rows) * 2
+
+
+class ListTable(nn.Module):
+    def __init__(self, n=16, dim=6, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.table = [torch.randn(dim, generator=g) for _ in range(n)]
+
+    def forward(self, tokens):
+        rows = []
+        for i in range(tokens.shape[0]):
+            rows.append(self.table[int(tokens[i])])  # index into a Python list of tensors
+        return torch.stack(rows) + 1
+
+
+def _check_steps(model, make_tokens, steps=5):
+    step, backend = compiled(model)
+    with torch.no_grad():
+        for s in range(steps):
+            tokens = make_tokens(s)
+            got, n = syncs(step, tokens)
+            assert_bitwise(got, model(tokens))
+            assert n == 0, f"step {s}: {n} host syncs"
+    assert len(backend.compiled) == 1  # one graph, no break, no recompile
+    return backend
+
+
+def test_tensor_table_is_gathered_on_the_device():
+    torch.manual_seed(0)
+    model = TensorTable().eval()
+    _check_steps(model, lambda s: torch.randint(16, (5,), generator=torch.Generator().manual_seed(s)))
+    (d,) = decisions(Action.REWRITTEN)
+    assert d.reason is Reason.INDEX_TENSOR and d.kind == "item" and "self.emb.weight" in d.detail
+    assert counters["nosync"]["rewritten"] == 1 and counters["nosync"]["hoisted"] == 0
+
+
+def test_list_table_is_stacked_once_and_gathered():
+    model = ListTable().eval()
+    _check_steps(model, lambda s: torch.randint(16, (5,), generator=torch.Generator().manual_seed(s)))
+    (d,) = decisions(Action.REWRITTEN)
+    assert d.reason is Reason.INDEX_LIST and d.kind == "int" and "5 read(s)" in d.detail
+    # the stacked list is a per-request invariant: computed once, then read from the memo
+    assert counters["nosync"]["invariant_computes"] == 1 and counters["nosync"]["invariant_hits"] == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_negative_and_narrow_dtype_indices_match_eager(dtype):
+    w = torch.randn(10, 3)
+
+    def f(w, t):
+        return w[t.item()] * 1.5
+
+    step, _ = compiled(f)
+    for v in ([-1, -10, 0, 9, 4] if dtype is not torch.uint8 else [0, 9, 4]):
+        t = torch.tensor(v, dtype=dtype)
+        got, n = syncs(step, w, t)
+        assert_bitwise(got, f(w, t))
+        assert n == 0
+
+
+@pytest.mark.parametrize("form", ["tensor", "list"])
+@pytest.mark.parametrize("bad", [10, -11])
+def test_out_of_range_index_raises_index_error(form, bad):
+    w = torch.randn(10, 3)
+    table = w if form == "tensor" else list(w.unbind(0))
+
+    def f(t):
+        return table[t.item()] + 0
+
+    step, _ = compiled(f)
+    assert_bitwise(step(torch.tensor(3)), f(torch.tensor(3)))
+    with pytest.raises(IndexError):
+        f(torch.tensor(bad))  # eager
+    with pytest.raises(IndexError):
+        step(torch.tensor(bad))
+    assert decisions(Action.REWRITTEN)
+
+
+def test_read_used_as_a_shape_keeps_its_sync_and_says_why():
+    def f(x, n):
+        return torch.zeros(n.item()) + x.sum()
+
+    step, backend = compiled(f)
+    x = torch.ones(3)
+    counts = []
+    for v in (2, 3, 4, 5, 6, 7):  # new every call: speculated, then demoted, then kept
+        n = torch.tensor(v)
+        (got, k), (want, k_eager) = syncs(step, x, n), syncs(f, x, n)
+        assert_bitwise(got, want)
+        counts.append(k)
+    assert counts[-1] >= 1  # the sync stays
+    kept = decisions(Action.KEPT)
+    assert kept and all(d.reason is Reason.REWRITE_OTHER_USE for d in kept)
+    assert "passed to a call" in kept[0].detail
+    assert not decisions(Action.REWRITTEN)
+
+
+def test_row_written_in_place_keeps_its_sync():
+    # eager's row is a view of the table: writing it writes the table; a gathered copy would not
+    def f(w, t):
+        row = w[t.item()]
+        row.mul_(2)
+        return w.sum(0)
+
+    step, _ = compiled(f)
+    w1, w2 = torch.randn(6, 4), None
+    w2 = w1.clone()
+    for v in (1, 4, 1):
+        t = torch.tensor(v)
+        assert_bitwise(step(w1, t), f(w2, t))
+        assert_bitwise(w1, w2)
+    (d, *_) = decisions(Action.KEPT)
+    assert d.reason is Reason.REWRITE_ALIASED and "written in place" in d.detail
+    assert not decisions(Action.REWRITTEN)
+
+
+def test_returned_row_keeps_its_sync():
+    table = [torch.randn(3) for _ in range(4)]
+
+    def f(t):
+        return table[t.item()]  # eager returns the list's own tensor
+
+    step, _ = compiled(f)
+    for v in (0, 2):
+        out = step(torch.tensor(v))
+        assert out is table[v]
+    assert decisions(Action.KEPT)[0].reason is Reason.REWRITE_ALIASED
+
+
+def test_list_table_mutated_between_calls_gives_the_new_answer():
+    model = ListTable(n=8, dim=4).eval()
+    ref = copy.deepcopy(model)
+    step, _ = compiled(model)
+    calls = iter(range(100))
+
+    def check(high=8):
+        # new tokens at every call (step-varying), always including the entries changed below
+        k = next(calls)
+        tokens = torch.tensor([3, 0, (k * 5) % high, high - 1])
+        got, n = syncs(step, tokens)
+        assert_bitwise(got, ref(tokens))
+        assert n == 0
+
+    with torch.no_grad():
+        check()
+        check()
+        for m in (model, ref):  # an element replaced by a new tensor
+            m.table[3] = torch.full((4,), 5.0)
+        check()
+        for m in (model, ref):  # an element written in place
+            m.table[0].add_(1.0)
+        check()
+        for m in (model, ref):  # the list appended to, and read at the new entry
+            m.table.append(torch.full((4,), -2.0))
+        check(high=9)
+        check(high=9)
+
+
+def test_interleaved_requests_hit_their_own_stacked_tables():
+    a, b = ListTable(seed=1).eval(), ListTable(seed=2).eval()
+
+    def f(m, tokens):
+        return m(tokens)
+
+    step, backend = compiled(f)
+    with torch.no_grad():
+        for s in range(6):
+            m = a if s % 2 == 0 else b
+            tokens = torch.randint(16, (5,), generator=torch.Generator().manual_seed(s))
+            got, n = syncs(step, m, tokens)
+            assert_bitwise(got, m(tokens))
+            assert n == 0
+    # each request's list is stacked once (the memo is an LRU over requests)
+    assert counters["nosync"]["invariant_computes"] == 2
+
+
+@pytest.mark.inductor
+def test_prefill_inductor_equals_stock_inductor_on_the_hand_vectorized_step():
+    import prefill_tokens as P
+
+    model, vec = P.make_model(), P.make_vectorized_model()
+    nosync = torch.compile(model, backend="nosync")  # codegen="inductor"
+    stock = torch.compile(vec, backend="inductor")
+    request = P.make_request(seed=2)
+    tokens, chunk = request["tokens"], request["chunk"]
+    s1 = s2 = request["state"]
+    with torch.no_grad():
+        for i in range(4):
+            t = tokens[i * chunk : (i + 1) * chunk]
+            (h1, s1), n = syncs(nosync, t, s1)
+            h2, s2 = stock(t, s2)
+            assert_bitwise(h1, h2)
+            assert_bitwise(s1, s2)
+            assert n == 0
+    assert decisions(Action.REWRITTEN)

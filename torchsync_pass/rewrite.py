@@ -1,0 +1,174 @@
+"""Device-side rewrites: a host read used only as an index becomes a gather on the device.
+
+A step-varying read cannot be hoisted (its value is new at every step), but when the value only
+indexes a table, the host does not need it at all::
+
+    rows.append(self.emb.weight[tokens[i].item()])    # index into a tensor
+    rows.append(self.table[int(tokens[i])])            # index into a Python list of tensors
+
+Before (stock Dynamo: a graph break and a sync at every position)::
+
+    %select = torch.select(%l_tokens_, 0, 3)
+    item = select.item()                               <- graph break, host read
+    row = self.table[item]                             (Python, outside the graph)
+
+After (one graph, no host read)::
+
+    %select = torch.select(%l_tokens_, 0, 3)
+    %stack  = torch.stack([%l_self_table_0_, ..., %l_self_table_63_])     # list form only
+    %row    = torch.ops.aten.index.Tensor(%stack, [%select])
+
+``aten.index`` with a 0-d index copies the row's bits (same values, shape, dtype and, for the tables
+accepted, strides), wraps a negative index as Python does and raises ``IndexError`` for one out of
+range (on CUDA: a device-side assert). The hook point that recognises the pattern and traces these
+ops is in :mod:`torchsync_pass.dynamo_hooks` (Note [Rewriting a read used as an index]); this module
+is the policy and the records:
+
+* :meth:`Rewriter.allow`: a site refused earlier keeps its sync; every other candidate is rewritten.
+* :func:`check_graph` (the backend, before codegen): eager's row is a view of the table (a tensor
+  table) or the list's tensor itself, the rewrite's is a copy. When the graph writes the row (or a
+  view of it) in place, returns it, or writes the table after the read, the copy would be
+  observable: the site is refused for good (``KEPT``, ``REWRITE_ALIASED``) and the frame is traced
+  again, keeping the sync as stock Dynamo does.
+* Records: a ``Decision`` per rewritten site and graph (``REWRITTEN``, reason ``INDEX_TENSOR`` or
+  ``INDEX_LIST``) and per integer read that was neither hoisted nor rewritten (``KEPT``, with why),
+  counted in ``counters["nosync"]`` under the action's name, logged under ``TORCH_LOGS=nosync`` and
+  in ``TORCH_TRACE`` (artifact ``nosync_decision``).
+
+The stacked list of the list form is a pure function of the list's tensors: with
+``codegen="eager"`` it is cached once per request by :mod:`torchsync_pass.invariant` (its memo keys
+each tensor by identity, ``_version`` and metadata; Dynamo's own guards cover the list's length), so a
+list whose element is replaced, written in place or appended gives the new answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Optional
+
+import torch
+
+from . import _torch_private, cone, dynamo_hooks
+from .report import DECISIONS, Action, Decision, Reason, SiteKey
+
+log = logging.getLogger(__name__)
+
+_kept: dict[tuple, str] = {}  # site key -> why it keeps its sync (found after a rewrite)
+_recorded: set = set()
+_lock = threading.Lock()
+
+
+def reset() -> None:
+    with _lock:
+        _kept.clear()
+        _recorded.clear()
+
+
+def _site_key(site: dynamo_hooks.SyncSite) -> tuple:
+    # the key guards.decide uses: one sync instruction, in the function or a resume function
+    return (site.file, site.line, site.col, site.occurrence)
+
+
+def _record(use_or_site: Any, action: Action, reason: Reason, detail: str, compile_id: Optional[str]) -> None:
+    u = use_or_site
+    key = (compile_id, u.site_key, action)
+    with _lock:
+        if key in _recorded:
+            return  # the same decision in a retrace of the same compile
+        _recorded.add(key)
+    d = Decision(site=u.site, kind=u.kind, action=action, reason=reason, code=u.code, source=u.source,
+                 detail=detail, compile_id=compile_id or "")
+    DECISIONS.add(d)
+    _torch_private.nosync_counters()[action.value] += 1
+    log.info("nosync: %s %s: %s: %s (%s)", action.value, d.site, d.source, reason.value, detail)
+    try:
+        import json
+
+        _torch_private.trace_artifact("nosync_decision", lambda: json.dumps(d.to_json()))
+    except Exception:  # structured tracing is best effort
+        log.debug("nosync: trace_structured failed", exc_info=True)
+
+
+def _with_site(use: dynamo_hooks.RewriteUse, site: dynamo_hooks.SyncSite) -> dynamo_hooks.RewriteUse:
+    return dataclasses.replace(use, site_key=_site_key(site), site=SiteKey(site.file, site.line),
+                               kind=site.kind, source=site.source_line, code=site.code_name)
+
+
+class Rewriter:
+    """The policy dynamo_hooks asks at each read used only as an index."""
+
+    def allow(self, site: dynamo_hooks.SyncSite, use: dynamo_hooks.RewriteUse) -> Optional[dynamo_hooks.RewriteUse]:
+        """The use, filled with its site, to rewrite; None to leave the read to the ordinary path."""
+        key = _site_key(site)
+        with _lock:
+            why = _kept.get(key)
+        if why is not None:
+            _record(_with_site(use, site), Action.KEPT, Reason.REWRITE_ALIASED, why,
+                    dynamo_hooks.current_compile_id())
+            return None
+        return _with_site(use, site)
+
+    def kept(self, site: dynamo_hooks.SyncSite, reason: str, detail: str) -> None:
+        """An integer read that was neither hoisted nor rewritten: say why it was not rewritten."""
+        use = _with_site(dynamo_hooks.RewriteUse("", "", 0), site)
+        _record(use, Action.KEPT, Reason[reason], detail, dynamo_hooks.current_compile_id())
+
+
+REWRITER = Rewriter()
+
+
+def _use(n: torch.fx.Node) -> Optional[dynamo_hooks.RewriteUse]:
+    u = n.meta.get(dynamo_hooks.REWRITE_META)
+    return u if isinstance(u, dynamo_hooks.RewriteUse) else None
+
+
+def is_table_leaf(n: torch.fx.Node) -> bool:
+    """Is ``n`` a placeholder read only by the stack of a rewritten list table (invariant.py)?"""
+    return bool(n.users) and all(_use(u) is not None and u.target is torch.stack for u in n.users)
+
+
+def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
+    """Record the rewrites of ``gm``; refuse (and retrace) any whose row would be observably a copy."""
+    graph = gm.graph
+    rows = [n for n in graph.nodes if _use(n) is not None and n.target is not torch.stack]
+    if not rows:
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    output = next(iter(graph.find_nodes(op="output")))
+    returned = {cone._storage_key(cone._example(o)) for o in cone._nodes_in(output.args)}
+    writes = [(order[n], cone._storage_key(cone._example(w))) for n in graph.nodes for w in cone.written_nodes(n)]
+    for row in rows:
+        use = _use(row)
+        assert use is not None
+        key = cone._storage_key(cone._example(row))
+        table = row.args[0]
+        tables = table.all_input_nodes if _use(table) is not None else [table]
+        table_keys = {cone._storage_key(cone._example(t)) for t in tables} - {None}
+        problem = None
+        if key is None:
+            problem = "the row has no traced value to check"
+        elif key in returned:
+            problem = "the row (or a view of it) is returned from the graph"
+        elif any(k == key for _, k in writes):
+            problem = "the row (or a view of it) is written in place"
+        elif any(i > order[row] and k in table_keys for i, k in writes):
+            problem = "the table is written in place after the read"
+        if problem is not None:
+            with _lock:
+                _kept[use.site_key] = problem
+            _record(use, Action.KEPT, Reason.REWRITE_ALIASED, problem, compile_id)
+            dynamo_hooks.restart_analysis(f"nosync: {use.site}: {problem}; keeping the sync")
+    reads: dict[tuple, list] = {}
+    for row in rows:
+        reads.setdefault(_use(row).site_key, []).append(_use(row))
+    for uses in reads.values():
+        use = uses[0]
+        reason = Reason.INDEX_LIST if use.form == "list" else Reason.INDEX_TENSOR
+        _record(use, Action.REWRITTEN, reason,
+                f"{dotted(use.table)}, {use.length} entries; {len(uses)} read(s) in this graph", compile_id)
+
+
+def dotted(source: str) -> str:
+    return cone.dotted_name(source) if source.startswith(("L[", "G[")) else source
