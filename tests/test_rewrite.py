@@ -76,22 +76,35 @@ def _check_steps(model, make_tokens, steps=5):
     return backend
 
 
+def _gathers(backend):
+    (entry,) = backend.compiled
+    return [n for n in entry["graph"].graph.nodes if n.target is torch.ops.aten.index.Tensor]
+
+
 def test_tensor_table_is_gathered_on_the_device():
     torch.manual_seed(0)
     model = TensorTable().eval()
-    _check_steps(model, lambda s: torch.randint(16, (5,), generator=torch.Generator().manual_seed(s)))
+    backend = _check_steps(model, lambda s: torch.randint(16, (5,), generator=torch.Generator().manual_seed(s)))
     (d,) = decisions(Action.REWRITTEN)
     assert d.reason is Reason.INDEX_TENSOR and d.kind == "item" and "self.emb.weight" in d.detail
     assert counters["nosync"]["rewritten"] == 1 and counters["nosync"]["hoisted"] == 0
+    # the 5 rows the loop stacks are gathered by one op over the whole span of tokens
+    (gather,) = _gathers(backend)
+    assert tuple(gather.args[1][0].meta["example_value"].shape) == (5,)
+    with pytest.raises(IndexError):  # an id out of range in the span still raises
+        compiled(model)[0](torch.tensor([1, 2, 16, 0, 3]))
 
 
-def test_list_table_is_stacked_once_and_gathered():
-    model = ListTable().eval()
+@pytest.mark.parametrize("dim", [6, 4096])
+def test_list_table_is_stacked_and_gathered(dim):
+    model = ListTable(dim=dim).eval()
     _check_steps(model, lambda s: torch.randint(16, (5,), generator=torch.Generator().manual_seed(s)))
     (d,) = decisions(Action.REWRITTEN)
     assert d.reason is Reason.INDEX_LIST and d.kind == "int" and "5 read(s)" in d.detail
-    # the stacked list is a per-request invariant: computed once, then read from the memo
-    assert counters["nosync"]["invariant_computes"] == 1 and counters["nosync"]["invariant_hits"] == 4
+    if dim == 4096:  # 16 KiB rows: the stacked list is computed once per request, then read from the memo
+        assert counters["nosync"]["invariant_computes"] == 1 and counters["nosync"]["invariant_hits"] == 4
+    else:  # small rows: stacked at every step (cheaper than checking every tensor)
+        assert counters["nosync"]["invariant_computes"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
@@ -146,6 +159,25 @@ def test_read_used_as_a_shape_keeps_its_sync_and_says_why():
     assert not decisions(Action.REWRITTEN)
 
 
+def test_strided_rows_and_dict_tables_keep_their_sync():
+    # eager's row of a transposed table is a strided view: a gathered (contiguous) copy would
+    # differ in stride; a dict is not a table of rows
+    w = torch.randn(3, 10).t()
+    d = {i: torch.randn(2) for i in range(10)}
+
+    def f(t):
+        return w[t.item()], d[int(t)] * 1
+
+    step, _ = compiled(f)
+    for v in (1, 2, 3, 4, 5, 6):
+        t = torch.tensor(v)
+        for got, want in zip(step(t), f(t)):
+            assert_bitwise(got, want)
+    kept = {d.detail for d in decisions(Action.KEPT) if d.reason is Reason.REWRITE_TABLE}
+    assert any("not contiguous" in k for k in kept) and any("is a dict" in k for k in kept), kept
+    assert not decisions(Action.REWRITTEN)
+
+
 def test_row_written_in_place_keeps_its_sync():
     # eager's row is a view of the table: writing it writes the table; a gathered copy would not
     def f(w, t):
@@ -178,8 +210,9 @@ def test_returned_row_keeps_its_sync():
     assert decisions(Action.KEPT)[0].reason is Reason.REWRITE_ALIASED
 
 
-def test_list_table_mutated_between_calls_gives_the_new_answer():
-    model = ListTable(n=8, dim=4).eval()
+@pytest.mark.parametrize("dim", [4, 4096])  # stacked every step / cached once per request
+def test_list_table_mutated_between_calls_gives_the_new_answer(dim):
+    model = ListTable(n=8, dim=dim).eval()
     ref = copy.deepcopy(model)
     step, _ = compiled(model)
     calls = iter(range(100))
@@ -196,19 +229,19 @@ def test_list_table_mutated_between_calls_gives_the_new_answer():
         check()
         check()
         for m in (model, ref):  # an element replaced by a new tensor
-            m.table[3] = torch.full((4,), 5.0)
+            m.table[3] = torch.full((dim,), 5.0)
         check()
         for m in (model, ref):  # an element written in place
             m.table[0].add_(1.0)
         check()
         for m in (model, ref):  # the list appended to, and read at the new entry
-            m.table.append(torch.full((4,), -2.0))
+            m.table.append(torch.full((dim,), -2.0))
         check(high=9)
         check(high=9)
 
 
 def test_interleaved_requests_hit_their_own_stacked_tables():
-    a, b = ListTable(seed=1).eval(), ListTable(seed=2).eval()
+    a, b = ListTable(dim=4096, seed=1).eval(), ListTable(dim=4096, seed=2).eval()
 
     def f(m, tokens):
         return m(tokens)

@@ -894,6 +894,8 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
             return None, ("REWRITE_TABLE", "a 0-d tensor or a tensor with symbolic sizes")
         if tex.shape[0] == 0 or tuple(tex.stride()[1:]) != _contiguous_strides(tex.shape[1:]):
             return None, ("REWRITE_TABLE", f"rows of {src} are not contiguous: eager's row would be a strided view")
+        if tex.device != ex.device:
+            return None, ("REWRITE_TABLE", f"{src} is on {tex.device}, the index on {ex.device}")
         return table, RewriteUse("tensor", src, int(tex.shape[0]))
     if type(table).__name__ not in ("ListVariable", "TupleVariable"):
         return None, ("REWRITE_TABLE", f"{src} is a {table.python_type_name()}, not a tensor or a list of tensors")
@@ -909,6 +911,8 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
         metas.add((tuple(iex.shape), iex.dtype, iex.device, tuple(iex.stride()) == _contiguous_strides(iex.shape)))
     if len(metas) != 1 or not next(iter(metas))[3]:
         return None, ("REWRITE_TABLE", f"the tensors of {src} differ in shape, dtype or device, or are not contiguous")
+    if next(iter(metas))[2] != ex.device:
+        return None, ("REWRITE_TABLE", f"the tensors of {src} are on {next(iter(metas))[2]}, the index on {ex.device}")
     return table, RewriteUse("list", src, len(items))
 
 
