@@ -277,3 +277,40 @@ def test_prefill_inductor_equals_stock_inductor_on_the_hand_vectorized_step():
             assert_bitwise(s1, s2)
             assert n == 0
     assert decisions(Action.REWRITTEN)
+
+
+EXPLAIN_SCRIPT = """
+import torch
+
+table = [torch.full((3,), float(k)) for k in range(10)]
+
+
+def step(tokens):
+    rows = []
+    for i in range(tokens.shape[0]):
+        rows.append(table[tokens[i].item()])  # READ
+    return torch.stack(rows)
+
+
+f = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+for s in range(3):
+    f(torch.tensor([s, s + 1, 9 - s]))
+"""
+
+
+def test_explain_marks_the_rewritten_site(tmp_path, capsys):
+    import json
+
+    from torchsync_pass import explain
+
+    script = tmp_path / "lookup.py"
+    script.write_text(EXPLAIN_SCRIPT)
+    line = next(i for i, t in enumerate(EXPLAIN_SCRIPT.splitlines(), 1) if "# READ" in t)
+    assert explain.main(["--json", str(script)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    (row,) = [s for s in rep["sites"] if s["line"] == line]
+    assert row["nosync"]["action"] == "rewritten" and row["nosync"]["reason"] == "INDEX_LIST"
+    assert row["count"] == 0 and rep["totals"]["syncs"] == 0
+    assert explain.main([str(script)]) == 0
+    text = capsys.readouterr().out
+    assert "[nosync: rewritten" in text and "used only as an index into a Python list" in text
