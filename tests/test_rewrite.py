@@ -16,7 +16,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import torchsync_pass
-from torchsync_pass import Action, NosyncBackend, Reason
+from torchsync_pass import Action, NosyncBackend, Reason, dynamo_hooks
 
 
 def assert_bitwise(a, b):
@@ -60,8 +60,23 @@ class ListTable(nn.Module):
     def forward(self, tokens):
         rows = []
         for i in range(tokens.shape[0]):
-            rows.append(self.table[int(tokens[i])])  # index into a Python list of tensors
+            rows.append(self.table[tokens[i].item()])  # index into a Python list of tensors
         return torch.stack(rows) + 1
+
+
+class IntListTable(ListTable):
+    def forward(self, tokens):
+        rows = []
+        for i in range(tokens.shape[0]):
+            rows.append(self.table[int(tokens[i])])  # the same, spelled int()
+        return torch.stack(rows) + 1
+
+
+INT_REWRITE = pytest.mark.skipif(
+    not dynamo_hooks.int_reads_rewritable(),
+    reason=f"torch {torch.__version__}: int(t) is traced as Dynamo's own t.item() (2.11) or its result "
+    "must be a Python int (2.14+): only t.item() reads are rewritten",
+)
 
 
 def _check_steps(model, make_tokens, steps=5):
@@ -100,11 +115,19 @@ def test_list_table_is_stacked_and_gathered(dim):
     model = ListTable(dim=dim).eval()
     _check_steps(model, lambda s: torch.randint(16, (5,), generator=torch.Generator().manual_seed(s)))
     (d,) = decisions(Action.REWRITTEN)
-    assert d.reason is Reason.INDEX_LIST and d.kind == "int" and "5 read(s)" in d.detail
+    assert d.reason is Reason.INDEX_LIST and d.kind == "item" and "5 read(s)" in d.detail
     if dim == 4096:  # 16 KiB rows: the stacked list is computed once per request, then read from the memo
         assert counters["nosync"]["invariant_computes"] == 1 and counters["nosync"]["invariant_hits"] == 4
     else:  # small rows: stacked at every step (cheaper than checking every tensor)
         assert counters["nosync"]["invariant_computes"] == 0
+
+
+@INT_REWRITE
+def test_int_read_is_rewritten_too():
+    model = IntListTable().eval()
+    _check_steps(model, lambda s: torch.randint(16, (5,), generator=torch.Generator().manual_seed(s)))
+    (d,) = decisions(Action.REWRITTEN)
+    assert d.reason is Reason.INDEX_LIST and d.kind == "int"
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
@@ -166,7 +189,7 @@ def test_strided_rows_and_dict_tables_keep_their_sync():
     d = {i: torch.randn(2) for i in range(10)}
 
     def f(t):
-        return w[t.item()], d[int(t)] * 1
+        return w[t.item()], d[t.item()] * 1
 
     step, _ = compiled(f)
     for v in (1, 2, 3, 4, 5, 6):

@@ -832,6 +832,23 @@ def install_rewriter(rewriter: Any) -> None:
     _rewriter = rewriter
 
 
+# NOTE: from torch 2.14 Dynamo's int()/operator.index() (object_protocol.pynumber_int/_index) check
+# that the hook returned a Python int, as CPython does, and raise TypeError for a tensor: there only
+# ``.item()`` reads are rewritten, int()/operator.index() keep the ordinary path.
+_CHECKS_INT_RESULT = ("pynumber_int", "pynumber_index")
+
+
+def int_reads_rewritable() -> bool:
+    """Whether ``table[int(t)]`` can be rewritten on the running torch (``.item()`` always can): 2.11
+    traces int(t) as ``t.item()`` called by Dynamo itself, 2.14+ check int()'s result (above)."""
+    try:
+        from torch._dynamo.variables import object_protocol
+    except ImportError:
+        object_protocol = None
+    return hook_row()["int"] is not None and not any(
+        hasattr(object_protocol, name) for name in _CHECKS_INT_RESULT)
+
+
 def _direct_call(tx: Any, kind: str) -> bool:
     """Is the instruction being traced the read itself (``t.item()``, ``int(t)``,
     ``operator.index(t)``), so that its result is the read's value?"""
@@ -841,7 +858,8 @@ def _direct_call(tx: Any, kind: str) -> bool:
     if kind == "item":
         i = next((k for k, x in enumerate(tx.instructions) if x is inst), None)
         prev = tx.instructions[i - 1] if i else None
-        while prev is not None and prev.opname in ("PRECALL", "KW_NAMES", "PUSH_NULL") and i > 1:
+        # (Dynamo 2.15 on Python 3.12 spells a method call LOAD_ATTR, PUSH_NULL, SWAP 2, CALL)
+        while prev is not None and prev.opname in ("PRECALL", "KW_NAMES", "PUSH_NULL", "SWAP") and i > 1:
             i -= 1
             prev = tx.instructions[i - 1]
         return inst.arg == 0 and prev is not None and prev.opname in ("LOAD_METHOD", "LOAD_ATTR") \
@@ -852,7 +870,7 @@ def _direct_call(tx: Any, kind: str) -> bool:
     # the builtin being called: the nearest BuiltinVariable.call_function of this translator
     f = sys._getframe(2)
     for _ in range(16):
-        if f is None:
+        if f is None or f.f_code.co_name in _CHECKS_INT_RESULT:
             return False
         loc = f.f_locals
         if f.f_code.co_name == "call_function" and loc.get("tx") is tx:
