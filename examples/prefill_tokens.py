@@ -22,6 +22,7 @@ Inductor.
 Sizes: ``tiny`` (8 tokens per chunk, 64-entry table) and ``long`` (64 tokens per chunk, 512
 entries) are CPU-bound: the host side (one read and one Python-level lookup per token) dominates.
 ``wide`` (8 tokens, 1,024 features) is compute-bound on a CPU: its two matmuls dominate.
+``long-tensor`` is ``long`` with the table as one tensor buffer (``self.table[i]`` indexes a tensor).
 
 Run it:  python examples/prefill_tokens.py [--backend eager|inductor|nosync] [--steps N] [--size S]
 """
@@ -39,22 +40,30 @@ SIZES = {
     "tiny": (64, 32, 8, 16),
     "long": (512, 32, 64, 8),
     "wide": (64, 1024, 8, 4),
+    "long-tensor": (512, 32, 64, 8),  # "long" with the table as one tensor (a buffer), not a list
 }
+TENSOR_TABLE = {"long-tensor"}
 
 
 class Prefill(nn.Module):
-    def __init__(self, n_entries: int, dim: int) -> None:
+    def __init__(self, n_entries: int, dim: int, tensor_table: bool = False) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(1234)
-        # A host-side table: a Python list of per-token features, not a parameter.
-        self.table = [torch.randn(dim, generator=g) for _ in range(n_entries)]
+        # A host-side table: a Python list of per-token features, not a parameter (or, with
+        # tensor_table, the same rows as one [n_entries, dim] buffer).
+        rows = [torch.randn(dim, generator=g) for _ in range(n_entries)]
+        if tensor_table:
+            self.register_buffer("table", torch.stack(rows))
+        else:
+            self.table = rows
         self.proj = nn.Linear(dim, dim)
         self.mix = nn.Linear(2 * dim, dim)
 
     def _apply(self, fn, recurse=True):
         # Keep the host-side table on the module's device when it is moved (``model.to("cuda")``).
         super()._apply(fn, recurse)
-        self.table = [fn(row) for row in self.table]
+        if isinstance(self.table, list):
+            self.table = [fn(row) for row in self.table]
         return self
 
     def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -73,20 +82,21 @@ class VectorizedPrefill(Prefill):
     """The hand fix: one gather on the device for the whole chunk, no host read."""
 
     def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self.table)[tokens]
+        table = self.table if isinstance(self.table, torch.Tensor) else torch.stack(self.table)
+        return table[tokens]
 
 
 def make_model(size: str = "tiny", seed: int = 0) -> Prefill:
     n_entries, dim, _, _ = SIZES[size]
     torch.manual_seed(seed)
-    return Prefill(n_entries, dim).eval()
+    return Prefill(n_entries, dim, size in TENSOR_TABLE).eval()
 
 
 def make_vectorized_model(size: str = "tiny", seed: int = 0) -> VectorizedPrefill:
     """Same weights and table as ``make_model(size, seed)``, gather written by hand."""
     n_entries, dim, _, _ = SIZES[size]
     torch.manual_seed(seed)
-    return VectorizedPrefill(n_entries, dim).eval()
+    return VectorizedPrefill(n_entries, dim, size in TENSOR_TABLE).eval()
 
 
 def make_request(size: str = "tiny", seed: int = 0):

@@ -138,7 +138,7 @@ def test_decode_stop_check_stops_early_in_eager():
     assert int(out[-1]) in request["stop_ids"].tolist()
 
 
-@pytest.mark.parametrize("size", ["tiny", "long"])
+@pytest.mark.parametrize("size", ["tiny", "long", "long-tensor"])
 def test_prefill_vectorized_step_equals_the_original(size):
     model, vec = prefill_tokens.make_model(size), prefill_tokens.make_vectorized_model(size)
     request = prefill_tokens.make_request(size, seed=3)
