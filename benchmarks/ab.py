@@ -818,7 +818,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--examples", type=_csv(tuple(EXAMPLES), "example"), default=None,
                    help=f"comma-separated, from {', '.join(EXAMPLES)} "
-                   "(default: all; diffusion-xl only on CUDA)")
+                   "(default: all but prefill-long and prefill-wide; diffusion-xl only on CUDA)")
     p.add_argument("--variants", type=_csv(VARIANTS, "variant"), default=list(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {', '.join(VARIANTS)} (default: all that apply)")
     p.add_argument("--quick", action="store_true", help="few steps and repeats: a smoke test, not a measurement")
@@ -845,7 +845,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available in this torch build or machine")
     if args.examples is None:  # diffusion-xl takes seconds per step on a CPU
-        args.examples = [n for n in EXAMPLES if args.device.startswith("cuda") or n != "diffusion-xl"]
+        args.examples = [n for n in EXAMPLES if (args.device.startswith("cuda") or n != "diffusion-xl")
+                         and n not in ("prefill-long", "prefill-wide")]  # on request only (bench time)
     return args
 
 

@@ -40,7 +40,8 @@ def result(example, variant, median, **kw):
 
 def test_defaults_select_every_example_and_variant():
     args = ab.parse_args(["--device", "cpu"])
-    assert args.examples == [n for n in ab.EXAMPLES if n != "diffusion-xl"]  # GPU-sized: CUDA only
+    on_request = ("diffusion-xl", "prefill-long", "prefill-wide")  # GPU-sized; extra prefill sizes
+    assert args.examples == [n for n in ab.EXAMPLES if n not in on_request]
     assert args.variants == list(ab.VARIANTS)
     assert not args.quick and args.json is None and args.plot is None
 

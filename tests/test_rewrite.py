@@ -220,6 +220,25 @@ def test_row_written_in_place_keeps_its_sync():
     assert not decisions(Action.REWRITTEN)
 
 
+def test_list_written_between_two_reads_keeps_its_sync():
+    # both reads would share one stack of the list, taken before the write: the second read must
+    # see the written tensor, as eager does
+    def f(table, a, b):
+        r0 = table[a.item()] * 1
+        table[2].add_(10.0)
+        return r0 + table[b.item()]
+
+    step, _ = compiled(f)
+    t1 = [torch.randn(3) for _ in range(4)]
+    t2 = [x.clone() for x in t1]
+    for a, b in ((0, 2), (1, 2), (3, 2)):
+        a_, b_ = torch.tensor(a), torch.tensor(b)
+        assert_bitwise(step(t1, a_, b_), f(t2, a_, b_))
+    kept = decisions(Action.KEPT)
+    assert kept and all(d.reason is Reason.REWRITE_ALIASED for d in kept), kept
+    assert "after its stack" in kept[0].detail
+
+
 def test_returned_row_keeps_its_sync():
     table = [torch.randn(3) for _ in range(4)]
 

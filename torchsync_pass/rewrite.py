@@ -157,8 +157,12 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
         assert use is not None
         key = cone._storage_key(cone._example(row))
         table = row.args[0]
-        tables = table.all_input_nodes if _use(table) is not None else [table]
+        stacked = _use(table) is not None
+        tables = table.all_input_nodes if stacked else [table]
         table_keys = {cone._storage_key(cone._example(t)) for t in tables} - {None}
+        # a list's stack is shared by the reads after it: a write to a listed tensor after the
+        # stack would be missed by every later read (eager reads the tensor itself)
+        since = order[table] if stacked else order[row]
         problem = None
         if key is None:
             problem = "the row has no traced value to check"
@@ -166,8 +170,8 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
             problem = "the row (or a view of it) is returned from the graph"
         elif any(k == key for _, k in writes):
             problem = "the row (or a view of it) is written in place"
-        elif any(i > order[row] and k in table_keys for i, k in writes):
-            problem = "the table is written in place after the read"
+        elif any(i > since and k in table_keys for i, k in writes):
+            problem = "the table is written in place after the read" + (" (or after its stack)" if stacked else "")
         if problem is not None:
             with _lock:
                 _kept[use.site_key] = problem
