@@ -325,12 +325,7 @@ def watch_compiles(on_start: Callable[[], None], on_end: Callable[[], None]) -> 
     """
     from torch._dynamo.callback import callback_handler
 
-    def start(_args: Any) -> None:
-        on_start()
-
-    def end(_args: Any) -> None:
-        on_end()
-
+    start, end = (lambda _args: on_start()), (lambda _args: on_end())
     callback_handler.register_start_callback(start)
     callback_handler.register_end_callback(end)
 
