@@ -509,10 +509,6 @@ def _reject(state: SiteState, reason: Reason, detail: str, compile_id: Optional[
 _FAILURES = itertools.count()
 
 
-def _entry_key(e: _Entry) -> Any:
-    return e.key
-
-
 class SiteCheck:
     """The guard of one cache entry of one site: ``check(L, G) -> bool``, True when unchanged."""
 
@@ -525,7 +521,7 @@ class SiteCheck:
         self.memo = cone.memo_for(bits)
         self.declared = self.memo.declared
         self.getter = dynamo_hooks.leaf_getter(sources)
-        self.may_demote = not all(l.declared for l in cone.result.leaves)
+        self.may_demote = not all(self.declared)
 
     def __call__(self, L: Any, G: Any) -> bool:
         if torch.get_num_threads() != self.bits[0]:
@@ -538,11 +534,15 @@ class SiteCheck:
         return self.check_leaves(leaves)
 
     def check_leaves(self, leaves: tuple) -> bool:
-        return self.check_entry(leaves, _entry_key)
+        return self.check_entry(leaves, None)
 
-    def check_entry(self, leaves: tuple, answer: Callable[[_Entry], Any]) -> bool:
-        """Find (or compute, one sync) the memo entry of ``leaves``; True when ``answer(entry)``
-        is this cache entry's specialised key."""
+    def answer(self, e: _Entry, index: Any) -> Any:
+        """The value key ``e`` answers (a lifted table's check: at ``index``)."""
+        return e.key
+
+    def check_entry(self, leaves: tuple, index: Any) -> bool:
+        """Find (or compute, one sync) the memo entry of ``leaves``; True when its answer is this
+        cache entry's specialised key."""
         state, spec = self.state, self.spec
         compiling = dynamo_hooks.compiling
         # the stock entry compiled after demotion serves this call; but Dynamo's own check of a
@@ -576,7 +576,7 @@ class SiteCheck:
         except Exception:
             log.debug("nosync guard for %s failed; treating as a miss", state.site, exc_info=True)
             return self._fail("the check raised (TORCH_LOGS=+torchsync_pass shows it)")
-        if answer(e) == spec.key:
+        if self.answer(e, index) == spec.key:
             if spec.hits or not compiling():  # demotion asks "hit at call time yet?"
                 spec.hits += 1
             return True

@@ -170,8 +170,10 @@ class TableCheck(SiteCheck):
         self.getter = dynamo_hooks.leaf_getter(self.sources + [cone.index_source])
 
     def check_leaves(self, leaves: tuple) -> bool:
-        index = leaves[-1]
-        return self.check_entry(leaves[:-1], lambda e: e.value.key_at(index))
+        return self.check_entry(leaves[:-1], leaves[-1])
+
+    def answer(self, e: Any, index: Any) -> Any:
+        return e.value.key_at(index)
 
     # NOTE: SiteCheck.fuse's fast path keeps weak references to every leaf; an int index has none,
     # so table checks run one after the other (the guard group's plain path).
