@@ -581,21 +581,16 @@ def add_lambda_guard(site: SyncSite, check: Callable[[Any, Any], bool], descript
     leaf source that no longer resolves) and answer False.
     """
     from torch._dynamo.guards import install_guard
+    from torch._dynamo.source import GlobalSource
     from torch._guards import Guard
 
     output = site._tx.output
     group = output.__dict__.get("_nosync_guard_group")
     if group is None:
-        group = _GuardGroup()
-        output.__dict__["_nosync_guard_group"] = group
-    install_guard(Guard(_guard_source(site), group.create_fn(check, description)))
-
-
-def _guard_source(site: SyncSite) -> Any:
-    from torch._dynamo.source import GlobalSource
-
+        group = output.__dict__["_nosync_guard_group"] = _GuardGroup()
     # The source only names the guard; the check itself reads its leaves from L and G.
-    return GlobalSource(f"{GUARD_NAME_PREFIX}{site.code.co_name}_{site.offset}")
+    source = GlobalSource(f"{GUARD_NAME_PREFIX}{site.code.co_name}_{site.offset}")
+    install_guard(Guard(source, group.create_fn(check, description)))
 
 
 def leaf_getter(sources: list[str]) -> Callable[[Any, Any], tuple]:
