@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import _torch_private, cone, dynamo_hooks, guards, rewrite
+from . import _torch_private, cone, dynamo_hooks, guards, inop, rewrite
 from .invariant import DEFAULT_CACHE_BYTES, cache_invariant
 from .errors import NosyncError, NosyncOptionsError
-from .report import DECISIONS, Action
+from .report import DECISIONS, Action, Reason
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     if cone.remove_dead_cones(gm):
         log.debug("nosync: removed the dead cones of hoisted syncs from graph %s", compile_id)
     try:
-        compiled = _codegen(gm, example_inputs, opts, mode)
+        compiled = _codegen_tabulated(gm, example_inputs, opts, mode, compile_id)
     except Exception:
         if opts.strict:
             raise
@@ -297,6 +297,21 @@ def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     # Split: the step part is compiled by Inductor, the invariant part runs as FX once per request.
     split = cache_invariant(gm, opts, example_inputs, compile_step)
     return split.fn if split.modified else compile_step(gm, example_inputs)
+
+
+def _codegen_tabulated(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode: Optional[str],
+                       compile_id: Optional[str]) -> Callable:
+    """Syncs inside ops (:mod:`torchsync_pass.inop`): with ``codegen="eager"``, the ops that sync
+    inside on request-invariant tables are tabulated once per request and the step graph reads them;
+    the original graph runs a call the tables cannot answer (it raises what eager raises)."""
+    if opts.codegen != "eager" or opts.cudagraphs:
+        if opts.codegen == "inductor":
+            inop.record_kept(gm, Reason.IN_OP_INDUCTOR, "", compile_id)
+        return _codegen(gm, example_inputs, opts, mode)
+    tab = inop.tabulate(gm, opts, compile_id)
+    if tab.step is None:
+        return _codegen(gm, example_inputs, opts, mode)
+    return tab.wrap(gm.forward, _codegen(tab.step, list(example_inputs) + tab.examples, opts, mode))
 
 
 def _check_cudagraphs(gm: torch.fx.GraphModule, example_inputs: list, compile_id: Optional[str]) -> None:

@@ -36,6 +36,7 @@ class Action(enum.Enum):
     HOISTED = "hoisted"
     REJECTED = "rejected"
     DEMOTED = "demoted"
+    TABULATED = "tabulated"  # an op that syncs inside, computed for every index once per request (inop.py)
     CACHED = "cached"  # a request-invariant tensor computed once per request (invariant.py)
     NOT_CACHED = "not cached"
     REWRITTEN = "rewritten"  # a host read used only as an index, traced as device work (rewrite.py)
@@ -78,6 +79,16 @@ class Reason(enum.Enum):
     EVAL_FAILED = "evaluating the cone at trace time failed"
     NOT_ROOT_TRACER = "the sync sits in a nested tracer (e.g. a torch.cond branch)"
     DISABLED = "the site was demoted earlier and is left to stock Dynamo"
+    # TABULATED / REJECTED syncs inside ops (inop.py)
+    IN_OP_TABULATED = (
+        "an op that syncs inside (linalg error and pivot checks) on request-invariant tables at a host "
+        "int index: its value at every index computed once per request by the same ops, read per step"
+    )
+    IN_OP_ALIASED = "the graph writes the op's result in place or returns it: a cached value could be changed"
+    IN_OP_INDUCTOR = (
+        "Inductor codegen: Inductor computes the op's inputs with its own fused kernels, so a table "
+        "computed by the eager ops would not be bitwise equal to stock Inductor; use codegen='eager'"
+    )
     # DEMOTED
     TOO_MANY_VALUES = "the value took more distinct values than max_specializations"
     LEAVES_CHANGE = "its leaves change identity on most calls"

@@ -9,6 +9,7 @@ bitwise equal to stock Inductor on the hand-hoisted step.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -18,7 +19,7 @@ pytest.importorskip("diffusers")
 import diffusers_pipeline as dp  # noqa: E402  (examples/ is on sys.path: tests/conftest.py)
 
 import torchsync_pass  # noqa: E402
-from torchsync_pass import Reason  # noqa: E402
+from torchsync_pass import Action, Reason  # noqa: E402
 
 # Slow on a small CPU (Dynamo traces the real modules): `pytest tests` skips them unless
 # TORCHSYNC_PASS_REAL=1 (`make test-real` sets it); they skip when diffusers is not installed.
@@ -58,6 +59,8 @@ def run(kind, scheduler, denoiser, requests=3, steps=6):
         g = torch.Generator().manual_seed(r)
         latents, text = torch.randn(dp.LATENT, generator=g), torch.randn(dp.TEXT, generator=g)
         noise_gen = torch.Generator().manual_seed(100 + r)  # Euler and EulerAncestral take one
+        if "generator" not in inspect.signature(sched.step).parameters:
+            noise_gen = None  # UniPC takes none
         sched.set_timesteps(steps)
         latents = latents * sched.init_noise_sigma
         with torch.no_grad():
@@ -122,3 +125,50 @@ def test_euler_inductor_is_bitwise_equal_to_stock_inductor_on_the_hand_hoisted_s
         results.append(latents)
     assert_bitwise(results[1], results[0])
     assert any(d.reason is Reason.TABLE_LIFTED for d in torchsync_pass.decisions())
+
+
+def test_unipc_solve_syncs_are_tabulated():
+    """UniPC's corrector solves ``torch.linalg.solve(R, b)`` every step (3 syncs inside the op);
+    R and b come from the request's sigmas at the step counter, so nosync tabulates the solve once
+    per request (the first step that solves) and every later step syncs nowhere in the scheduler."""
+    ref, eager_syncs, _, _ = run("eager", "unipc", "tiny")
+    assert eager_syncs[2:] == [3] * (len(eager_syncs) - 2), eager_syncs
+    torchsync_pass.reset()
+    outs, syncs, _, _ = run("nosync", "unipc", "tiny")
+    for a, b in zip(outs, ref):
+        assert_bitwise(a, b)
+    assert syncs[3:] == [0] * (len(syncs) - 3), syncs  # step 2 tabulates: one solve per index
+    ds = [d for d in torchsync_pass.decisions() if d.action is Action.TABULATED]
+    assert ds and all(d.reason is Reason.IN_OP_TABULATED for d in ds)
+    assert all("scheduling_unipc_multistep.py" in d.site.file and "torch.linalg.solve(R, b)" in d.source for d in ds)
+
+
+def test_unipc_singular_system_still_raises():
+    """sigmas[k] == sigmas[k - 2] makes UniPC's R singular at step k: eager raises LinAlgError
+    there, and so does nosync, at the same step with the same message and the same latents before
+    it, after a good request compiled and tabulated the solve."""
+    unet = dp.TinyDenoiser().eval()
+    sched = dp.make_scheduler("unipc")
+
+    def request(step, bad, done):
+        sched.set_timesteps(6)
+        if bad:
+            sched.sigmas[4] = sched.sigmas[2]
+        latents, text = torch.ones(dp.LATENT), torch.ones(dp.TEXT)
+        with torch.no_grad():
+            for t in sched.timesteps:
+                latents = step(sched, unet(latents, t, encoder_hidden_states=text), t, latents)
+                done.append(latents)
+
+    eager_done, done = [], []
+    with pytest.raises(torch.linalg.LinAlgError) as eager_err:
+        request(dp.scheduler_step, True, eager_done)
+    f = torch.compile(dp.scheduler_step, backend=torchsync_pass.NosyncBackend({"codegen": "eager"}))
+    request(f, False, [])
+    assert any(d.action is Action.TABULATED for d in torchsync_pass.decisions())
+    with pytest.raises(torch.linalg.LinAlgError) as err:
+        request(f, True, done)
+    assert str(err.value) == str(eager_err.value)
+    assert len(done) == len(eager_done) > 0
+    for a, b in zip(done, eager_done):
+        assert_bitwise(a, b)

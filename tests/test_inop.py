@@ -1,0 +1,215 @@
+"""Syncs inside ops: ``torch.linalg.solve`` on request-invariant tables at a step counter.
+
+The loop is diffusers' UniPC corrector in miniature (no diffusers needed): a scheduler object with a
+per-request ``sigmas`` table and a Python int ``_step_index``; every step solves a 2x2 system built
+from ``sigmas[i]`` and ``sigmas[i + 1]``. ``torch.linalg.solve`` syncs 3 times per call inside the op
+(error and pivot checks). With ``codegen="eager"`` nosync tabulates the solve once per request
+(:mod:`torchsync_pass.inop`); every call is compared bitwise with eager, syncs are counted with
+``count_syncs()``, and a singular system must still raise ``torch.linalg.LinAlgError`` at the call
+where eager raises it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import torchsync_pass
+from torchsync_pass import Action, NosyncBackend, Reason
+from torchsync_pass.inop import SYNCING_OPS
+
+
+class Sched:
+    def __init__(self, n: int = 8, start: float = 1.0) -> None:
+        self.sigmas = torch.linspace(start, 0.1, n + 1)
+        self._step_index = 0
+
+
+def corrector(s, x):
+    """UniPC's ``rhos_c = torch.linalg.solve(R, b)`` on the table at the step counter."""
+    i = s._step_index
+    s0, s1 = s.sigmas[i], s.sigmas[i + 1]
+    one = torch.ones(())
+    h = torch.log(s1) - torch.log(s0)
+    R = torch.stack([torch.stack([one, s0]), torch.stack([one, s1])])
+    b = torch.stack([torch.expm1(h), h * 0.5])
+    rhos = torch.linalg.solve(R, b)
+    s._step_index += 1
+    return x * rhos[0] + rhos[1]
+
+
+def assert_bitwise(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
+def nosync(fn=corrector):
+    return torch.compile(fn, backend=NosyncBackend({"codegen": "eager"}))
+
+
+def run(fn, sched, steps, x):
+    """Run ``steps`` steps; (outputs of every step, syncs of every step)."""
+    outs, syncs = [], []
+    for _ in range(steps):
+        with torchsync_pass.count_syncs() as c:
+            x = fn(sched, x)
+        outs.append(x)
+        syncs.append(c.total)
+    return outs, syncs
+
+
+def eager_outputs(sigmas, steps, x):
+    s = Sched()
+    s.sigmas = sigmas.clone()
+    return run(corrector, s, steps, x)[0]
+
+
+def tabulated():
+    return [d for d in torchsync_pass.decisions() if d.action is Action.TABULATED]
+
+
+def test_solve_tabulated_no_steady_sync_bitwise():
+    x = torch.randn(4, generator=torch.Generator().manual_seed(0))
+    f = nosync()
+    eager_syncs = run(corrector, Sched(), 8, x)[1]
+    assert eager_syncs[1:] == [3] * 7  # torch.linalg.solve syncs 3 times per call, eagerly
+    for r in range(3):
+        s = Sched(start=1.0 - 0.1 * r)
+        ref = eager_outputs(s.sigmas, 8, x)
+        outs, syncs = run(f, s, 8, x)
+        for a, b in zip(outs, ref):
+            assert_bitwise(a, b)
+        # the step that first meets a new table tabulates it; every other step syncs nowhere
+        assert sum(1 for n in syncs if n) <= 2 and syncs[2:].count(0) >= 5, syncs
+    ds = tabulated()
+    assert ds and all(d.reason is Reason.IN_OP_TABULATED and d.kind == "in_op" for d in ds)
+    assert any("torch.linalg.solve(R, b)" in d.source for d in ds)
+    assert counters["nosync"]["tabulated"] == len(ds)
+    assert counters["nosync"]["table_computes"] >= 3
+
+
+def _table(sig):
+    s = Sched()
+    s.sigmas = sig.clone()
+    return s
+
+
+def test_singular_system_still_raises_linalgerror():
+    sig = torch.linspace(1.0, 0.1, 9)
+    sig[5] = sig[4]  # sigmas[4] == sigmas[5]: R is singular at step 4
+    expect = run(corrector, _table(sig), 4, torch.ones(4))[0]
+    with pytest.raises(torch.linalg.LinAlgError) as eager_err:
+        run(corrector, _table(sig), 5, torch.ones(4))
+    f = nosync()
+    run(f, Sched(), 8, torch.ones(4))  # a good request compiles and tabulates the solve
+    assert tabulated()
+    s, x, outs = _table(sig), torch.ones(4), []
+    with pytest.raises(torch.linalg.LinAlgError) as err:
+        for _ in range(5):
+            x = f(s, x)
+            outs.append(x)
+    assert len(outs) == 4  # raised at the same call as eager, not earlier (while tabulating)
+    assert str(err.value) == str(eager_err.value) and "singular" in str(err.value)
+    for a, b in zip(outs, expect):
+        assert_bitwise(a, b)
+    # the next (good) request is tabulated and sync-free again
+    syncs = run(f, Sched(start=0.9), 8, torch.ones(4))[1]
+    assert syncs[-3:] == [0, 0, 0], syncs
+
+
+def test_table_written_in_place_mid_request_recomputes():
+    x = torch.ones(4)
+    f = nosync()
+    run(f, Sched(), 8, x)
+    s, e = Sched(), Sched()
+    outs_f, outs_e = [], []
+    xf = xe = x
+    for k in range(8):
+        if k == 4:
+            s.sigmas[6] = 0.55  # an in-place write to the table, mid request
+            e.sigmas[6] = 0.55
+        before = counters["nosync"]["table_computes"]
+        xf, xe = f(s, xf), corrector(e, xe)
+        assert_bitwise(xf, xe)
+        if k == 4:
+            assert counters["nosync"]["table_computes"] == before + 1  # recomputed, not stale
+    assert tabulated()
+
+
+def test_new_request_and_interleaved_requests():
+    x = torch.ones(4)
+    f = nosync()
+    run(f, Sched(), 8, x)  # compile both graphs (specialised index 0, then the dynamic index)
+    starts = (0.8, 0.6)  # two requests, A and B, one step of each in turn
+    nosync_state = [[Sched(start=v), x] for v in starts]
+    eager_state = [[Sched(start=v), x] for v in starts]
+    computes = counters["nosync"]["table_computes"]
+    syncs = []
+    for _ in range(8):
+        with torchsync_pass.count_syncs() as c:
+            for st in nosync_state:
+                st[1] = f(*st)
+        syncs.append(c.total)
+        for st, ref in zip(nosync_state, eager_state):
+            ref[1] = corrector(*ref)
+            assert_bitwise(st[1], ref[1])
+    # each new request's tables are computed once (two graphs share them), then A and B hit the memo
+    assert counters["nosync"]["table_computes"] - computes <= 4
+    assert syncs[2:] == [0] * 6, syncs
+    assert counters["nosync"]["table_hits"] > 0
+
+
+def solve_input(A, x):
+    return torch.linalg.solve(A, x) * 2
+
+
+def test_leaves_that_change_every_call_are_demoted():
+    f = torch.compile(solve_input, backend=NosyncBackend({"codegen": "eager"}))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, generator=g)
+    for _ in range(8):
+        A = torch.randn(3, 3, generator=g) + 3 * torch.eye(3)
+        assert_bitwise(f(A, x), solve_input(A, x))
+    demoted = [d for d in torchsync_pass.decisions() if d.action is Action.DEMOTED and d.kind == "in_op"]
+    assert len(demoted) == 1 and demoted[0].reason is Reason.LEAVES_CHANGE
+    assert counters["nosync"]["table_computes"] == 3  # bounded waste, then the original op runs
+
+
+def returns_solution(s, x):
+    i = s._step_index
+    R = torch.stack([torch.stack([torch.ones(()), s.sigmas[i]]), torch.stack([torch.ones(()), s.sigmas[i + 1]])])
+    s._step_index += 1
+    return x, torch.linalg.solve(R, torch.ones(2))
+
+
+def test_returned_result_is_kept_with_reason():
+    f = torch.compile(returns_solution, backend=NosyncBackend({"codegen": "eager"}))
+    s, e = Sched(), Sched()
+    for _ in range(4):
+        got, ref = f(s, torch.ones(2)), returns_solution(e, torch.ones(2))
+        assert_bitwise(got[1], ref[1])
+    kept = [d for d in torchsync_pass.decisions() if d.kind == "in_op"]
+    assert kept and all(d.action is Action.REJECTED and d.reason is Reason.IN_OP_ALIASED for d in kept)
+    with torchsync_pass.count_syncs() as c:
+        f(s, torch.ones(2))
+    assert c.total == 3  # kept: the op still syncs, as stock
+
+
+@pytest.mark.parametrize("op", sorted(SYNCING_OPS, key=lambda o: o.__name__), ids=lambda o: o.__name__)
+def test_syncing_ops_table_is_measured(op):
+    """Each op in SYNCING_OPS makes the number of in-op syncs the table says (this torch, CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    A = torch.tensor([[4.0, 1.0], [1.0, 3.0]])
+    b = torch.tensor([1.0, 2.0])
+    args = {
+        "solve": (A, b), "solve_ex": (A, b), "inv": (A,), "inv_ex": (A,), "inverse": (A,),
+        "lu_factor": (A,), "lu_solve": (*torch.linalg.lu_factor(A), b[:, None]), "cholesky": (A,),
+        "cholesky_solve": (b[:, None], torch.linalg.cholesky(A)), "lstsq": (A, b[:, None]),
+        "eigh": (A,), "eigvalsh": (A,), "svd": (A,), "svdvals": (A,), "pinv": (A,), "matrix_rank": (A,),
+    }[op.__name__.replace("linalg_", "")]
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        op(*args)
+    n = sum(1 for e in p.events() if e.name == "aten::_local_scalar_dense")
+    assert n == SYNCING_OPS[op][0], (op.__name__, n)

@@ -1,0 +1,418 @@
+"""Syncs inside ops: tabulate a request-invariant op that reads back from the device in its kernel.
+
+Some ops synchronize inside their kernel, with no graph break and no Python-level read for a hook
+to see: ``torch.linalg.solve`` reads its LAPACK ``info`` back to raise ``LinAlgError`` on a
+singular matrix and checks its pivots (3 ``_local_scalar_dense`` per call on torch 2.13, CPU).
+Dynamo keeps such an op inside the graph, so it syncs at every step under stock Dynamo, Inductor
+and nosync's hoisting alike. diffusers' ``UniPCMultistepScheduler`` solves a small system at every
+step whose matrix and right-hand side depend only on the request's ``sigmas`` table at the step
+counter::
+
+    sigma_t, sigma_s0 = self.sigmas[self.step_index], self.sigmas[self.step_index - 1]
+    ...                                               # pure elementwise ops on those scalars
+    rhos_c = torch.linalg.solve(R, b)                  # 3 syncs per step
+
+When the op's whole cone (its dataflow back to the graph inputs) is pure and its leaves are
+request-invariant tensors (the same rules as a hoisted sync, :func:`cone.analyze_cone`) plus at
+most one host int used only as an index into them (the step counter Dynamo made dynamic, as in
+table lifting, :mod:`torchsync_pass.tables`), :func:`tabulate` (``codegen="eager"``) rewrites the
+graph so that the op's value is an extra input, and :class:`TabulatedStep` computes it for every
+index once per request::
+
+    table = [cone(tables, i) for i in range(n)]        # once per request: the same ops, same kernels
+    step(*args, table[args[index]])                     # every call: a host list read, no sync
+
+Before (the graph Dynamo hands over)::
+
+    def forward(self, l_self_step_index, l_self_sigmas, l_sample_, ...):
+        select = torch.select(l_self_sigmas, 0, l_self_step_index)
+        ...
+        linalg_solve = torch._C._linalg.linalg_solve(R, b)
+        to = linalg_solve.to(torch.float32)
+
+After (step graph, every call)::
+
+    def forward(self, l_self_step_index, l_self_sigmas, l_sample_, ..., nosync_tabulated_0):
+        to = nosync_tabulated_0.to(torch.float32)
+
+The table entry at ``i`` is the very tensor the cone computed at ``i`` with the same ops on the
+same inputs, so values, dtype, shape and strides are identical to eager. The table is keyed like a
+hoisted value (:class:`guards.ConeMemo`: weak identity, ``_version``, data pointer, shape, stride,
+dtype of every leaf; one memo per :func:`guards.bits_state`): ``set_timesteps`` building new tables
+is a new request and recomputes; a table written in place recomputes; interleaved requests hit the
+LRU.
+
+Errors stay eager's: an index where the cone raised while tabulating (a singular matrix:
+``torch.linalg.LinAlgError``; an index past a table's end: ``IndexError``), an index outside
+``0..n-1``, or grad mode with a leaf that requires grad, runs the *original* graph for that call,
+which raises exactly what eager raises, at the same call. Speculated leaves that turn out to change
+on every call (3 tables computed in a row that no later call read) demote the op: the original
+graph runs from then on, as stock.
+
+Not done (and why), each recorded as a decision: Inductor codegen (Inductor computes the op's
+inputs with its own fused kernels, whose rounding differs from the eager ops a table would use, so
+the result would not be bitwise equal to stock Inductor); an op whose result the graph writes in
+place or returns (the caller could write the cached tensor); a cone with a step-varying input.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import networkx as nx
+import torch
+from torch import fx
+
+from . import cone, dynamo_hooks
+from .guards import MEMO_SIZE, ConeMemo, _trace_structured, bits_state, counters
+from .report import DECISIONS, Action, Decision, Reason, SiteKey
+from .tables import MAX_TABLE_LEN, TableTooLarge, _int_value, _only_indexes, _SIZE_SOURCES
+
+log = logging.getLogger(__name__)
+
+# Ops that read back from the device inside their kernel: (function, _local_scalar_dense per call
+# measured on torch 2.13.0+cpu with small well-conditioned inputs; where each read comes from).
+# benchmarks/inop_survey.py measures them; tests/test_inop.py checks each still syncs.
+SYNCING_OPS: dict[Callable, tuple[int, str]] = {
+    torch.linalg.solve: (3, "_linalg_check_errors (info) + 2 in linalg_lu_solve (pivot checks)"),
+    torch.linalg.solve_ex: (2, "2 in linalg_lu_solve (pivot checks)"),
+    torch.linalg.inv: (3, "_linalg_check_errors + 2 pivot checks of the solve it runs"),
+    torch.linalg.inv_ex: (2, "2 pivot checks of the solve it runs"),
+    torch.inverse: (3, "as torch.linalg.inv"),
+    torch.linalg.lu_factor: (1, "_linalg_check_errors (info)"),
+    torch.linalg.lu_solve: (2, "pivot checks"),
+    torch.linalg.cholesky: (1, "_linalg_check_errors (info)"),
+    torch.cholesky_solve: (1, "_linalg_check_errors in _cholesky_solve_helper"),
+    torch.linalg.lstsq: (1, "_linalg_check_errors (info)"),
+    torch.linalg.eigh: (1, "_linalg_check_errors (info)"),
+    torch.linalg.eigvalsh: (1, "_linalg_check_errors (info)"),
+    torch.linalg.svd: (1, "_linalg_check_errors (info)"),
+    torch.linalg.svdvals: (1, "_linalg_check_errors (info)"),
+    torch.linalg.pinv: (1, "_linalg_check_errors of the SVD it runs"),
+    torch.linalg.matrix_rank: (1, "_linalg_check_errors of the SVD it runs"),
+}
+# The same ops called as tensor methods (``R.inverse()``).
+SYNCING_METHODS: dict[str, Callable] = {"inverse": torch.inverse, "cholesky_solve": torch.cholesky_solve}
+
+STALE_TABLES = 3  # tables computed in a row that no call read: the leaves change on every call
+
+
+def syncing_op(node: fx.Node) -> Optional[Callable]:
+    """The public op ``node`` calls when it is one of :data:`SYNCING_OPS`, else None."""
+    if node.op == "call_function" and node.target in SYNCING_OPS:
+        return node.target
+    if node.op == "call_method" and node.target in SYNCING_METHODS:
+        return SYNCING_METHODS[node.target]
+    return None
+
+
+def _op_name(op: Callable) -> str:
+    mod = getattr(op, "__module__", "") or ""
+    name = op.__name__
+    return f"torch.linalg.{name[len('linalg_'):]}" if name.startswith("linalg_") or "linalg" in mod else f"torch.{name}"
+
+
+@dataclass
+class Table:
+    """One request's values of a tabulated op: ``values[i]`` is the op's output at index ``i``
+    (``ok[i]`` False where the cone raised: that call runs the original graph)."""
+
+    values: list
+    ok: list
+    hits: int = 0  # later calls that found this table in the memo
+
+
+class _Tables:
+    """The memo of one cone, shared by every graph that contains the same cone (one frame compiles
+    a graph per solver order, each with the same solve): one tabulation per request, not one per
+    graph."""
+
+    def __init__(self) -> None:
+        self.memos: dict[tuple, ConeMemo] = {}
+        self.recent: list[Table] = []  # the newest tables computed, to notice leaves that never repeat
+        self.demoted = False
+
+
+_SHARED: "weakref.WeakValueDictionary[tuple, _Tables]" = weakref.WeakValueDictionary()
+
+
+class TabulatedOp:
+    """The runtime side of one tabulated op: its cone, where its leaves and index sit among the
+    graph's arguments, and its memo of tables."""
+
+    def __init__(self, module: fx.GraphModule, leaf_pos: tuple[int, ...], index_pos: Optional[int],
+                 module_index_pos: Optional[int], declared: tuple[bool, ...], decision: Decision,
+                 fingerprint: tuple) -> None:
+        self.module = module
+        self.leaf_pos = leaf_pos
+        self.index_pos = index_pos
+        self.module_index_pos = module_index_pos
+        self.declared = declared
+        self.decision = decision
+        shared = _SHARED.get(fingerprint)
+        if shared is None:
+            shared = _SHARED[fingerprint] = _Tables()
+        self.shared = shared
+
+    def _evaluate(self, leaves: tuple, i: Optional[int]) -> Any:
+        args = list(leaves)
+        if self.module_index_pos is not None:
+            args.insert(self.module_index_pos, i)
+        # NOTE: forward, not module(...): GraphModule.__call__ prints a traceback to stderr for every
+        # exception, and an index past a table's end is expected here.
+        return self.module.forward(*args)
+
+    def _compute(self, leaves: tuple) -> Table:
+        if self.module_index_pos is None:
+            n = 1
+        else:
+            n = max((max(t.shape, default=1) for t in leaves), default=0)
+            if n > MAX_TABLE_LEN:
+                raise TableTooLarge(f"a table dimension has {n} entries > {MAX_TABLE_LEN}")
+        values: list = [None] * n
+        ok = [False] * n
+        for i in range(n):
+            try:
+                values[i] = self._evaluate(leaves, i)
+                ok[i] = True
+            except Exception:  # LinAlgError, IndexError, ...: the original graph raises it at that call
+                continue
+        return Table(values, ok)
+
+    def lookup(self, args: tuple) -> tuple[bool, Any]:
+        """(True, value) for this call, or (False, None): run the original graph."""
+        shared = self.shared
+        if shared.demoted:
+            return False, None
+        leaves = tuple(args[p] for p in self.leaf_pos)
+        if self.index_pos is None:
+            i = 0
+        else:
+            i = args[self.index_pos]
+            if type(i) is not int:
+                return False, None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+            return False, None  # a cached value would carry one call's autograd graph
+        bits = bits_state()
+        memo = shared.memos.get(bits)
+        if memo is None:
+            memo = shared.memos[bits] = ConeMemo(self.declared, MEMO_SIZE)
+        entry = memo.lookup(leaves)
+        c = counters()
+        if entry is None:
+            if len(shared.recent) >= STALE_TABLES and not any(t.hits for t in shared.recent):
+                self._demote()
+                return False, None
+            try:
+                table = self._compute(leaves)
+            except TableTooLarge:
+                return False, None
+            entry = memo.store(leaves, None, table)
+            shared.recent = (shared.recent + [table])[-STALE_TABLES:]
+            c["table_computes"] += 1
+        else:
+            c["table_hits"] += 1
+            entry.value.hits += 1
+        table = entry.value
+        if not (0 <= i < len(table.ok)) or not table.ok[i]:
+            return False, None
+        return True, table.values[i]
+
+    def _demote(self) -> None:
+        self.shared.demoted = True
+        d = self.decision
+        _record(Decision(
+            site=d.site, kind="in_op", action=Action.DEMOTED, reason=Reason.LEAVES_CHANGE, code=d.code,
+            source=d.source, detail=f"{STALE_TABLES} tables in a row were computed and never read: "
+                                    "the original op runs from now on", leaves=d.leaves,
+            compile_id=d.compile_id,
+        ))
+
+
+class TabulatedStep:
+    """Calls the step graph with this call's value of every tabulated op, or the original graph."""
+
+    def __init__(self, original: Callable, step: Callable, ops: list[TabulatedOp]) -> None:
+        self.original = original
+        self.step = step
+        self.ops = ops
+
+    def __call__(self, *args: Any) -> Any:
+        extra = []
+        for op in self.ops:
+            ok, value = op.lookup(args)
+            if not ok:
+                counters()["table_fallbacks"] += 1
+                return self.original(*args)
+            extra.append(value)
+        return self.step(*args, *extra)
+
+
+@dataclass
+class Tabulation:
+    """What :func:`tabulate` did: ``step`` is None when nothing was tabulated."""
+
+    step: Optional[fx.GraphModule] = None
+    ops: list[TabulatedOp] = field(default_factory=list)
+    examples: list = field(default_factory=list)  # example values of the new placeholders
+    decisions: list[Decision] = field(default_factory=list)
+
+    def wrap(self, original: Callable, compiled_step: Callable) -> Callable:
+        return TabulatedStep(original, compiled_step, self.ops) if self.step is not None else original
+
+
+def _site(node: fx.Node) -> tuple[SiteKey, str, str]:
+    frames = cone.user_frames(node.meta.get("stack_trace") or "")
+    file, line, fn, src = frames[-1] if frames else ("<graph>", 0, "", node.name)
+    return SiteKey(file, line), fn, src
+
+
+def _record(d: Decision) -> None:
+    DECISIONS.add(d)
+    counters()[d.action.value] += 1
+    log.info("nosync: %s %s (in-op sync): %s: %s%s", d.action.value, d.site, d.source, d.reason.value,
+             f" ({d.detail})" if d.detail else "")
+    _trace_structured(d)
+
+
+def record_kept(gm: fx.GraphModule, reason: Reason, detail: str, compile_id: Optional[str]) -> None:
+    """Record every in-op sync of ``gm`` as kept, with ``reason`` (e.g. Inductor codegen)."""
+    for n in gm.graph.nodes:
+        op = syncing_op(n)
+        if op is not None:
+            _record(_decision(n, op, Action.REJECTED, reason, detail, (), compile_id))
+
+
+def _decision(node: fx.Node, op: Callable, action: Action, reason: Reason, detail: str,
+              leaves: tuple[str, ...], compile_id: Optional[str]) -> Decision:
+    site, fn, src = _site(node)
+    syncs, where = SYNCING_OPS[op]
+    what = f"{_op_name(op)}: {syncs} sync(s) per call on torch 2.13 CPU ({where})"
+    return Decision(site=site, kind="in_op", action=action, reason=reason, code=fn, source=src,
+                    detail=f"{what}; {detail}" if detail else what, leaves=leaves, compile_id=compile_id or "")
+
+
+def _index_of(node: fx.Node, cone_nodes: set, leaves: dict[fx.Node, Any]) -> tuple[Optional[fx.Node], str]:
+    """(the int placeholder the cone reads tables at, or None; why not, when it cannot be one)."""
+    ints = [n for n in cone_nodes if n in leaves and leaves[n].role == "symbolic"]
+    if not ints:
+        return None, ""
+    if len(ints) > 1:
+        return None, f"{len(ints)} host ints reach the op ({', '.join(sorted(leaves[n].source for n in ints))})"
+    index = ints[0]
+    leaf = leaves[index]
+    if any(s in leaf.source for s in _SIZE_SOURCES) or not _only_indexes(index, cone_nodes):
+        return None, f"{cone.dotted_name(leaf.source)} is used as more than an index into tables"
+    if _int_value(leaf.example) is None:
+        return None, f"{cone.dotted_name(leaf.source)} is not an int"
+    return index, ""
+
+
+def _aliased(graph: fx.Graph, node: fx.Node) -> Optional[str]:
+    """Does the graph write the op's output (or a view of it) in place, or return it?"""
+    keys = {cone._storage_key(v) for v in _tensors(cone._example(node))} - {None}
+    if not keys:
+        return None
+    for n in graph.nodes:
+        for w in cone.written_nodes(n):
+            if cone._storage_key(cone._example(w)) in keys:
+                return f"{cone._target_name(n)} writes its result in place"
+    output = next(iter(graph.find_nodes(op="output")))
+    for o in cone._nodes_in(output.args):
+        if cone._storage_key(cone._example(o)) in keys:
+            return "the graph returns its result (or a view of it)"
+    return None
+
+
+def _tensors(value: Any) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def tabulate(gm: fx.GraphModule, opts: Any, compile_id: Optional[str]) -> Tabulation:
+    """Find the in-op syncs of ``gm`` that can be tabulated per request; see the module doc.
+
+    Returns a :class:`Tabulation` whose ``step`` is a new GraphModule (``gm`` is not modified) with
+    one extra trailing placeholder per tabulated op, or ``step=None`` when there is none.
+    """
+    graph = gm.graph
+    nodes = [(n, op) for n in graph.nodes for op in [syncing_op(n)] if op is not None]
+    out = Tabulation()
+    if not nodes:
+        return out
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    leaves = {p: leaf for p in placeholders for leaf in [dynamo_hooks.leaf_of(p)] if leaf is not None}
+    flow = cone.dataflow(graph)
+    chosen: list[tuple[fx.Node, Callable, cone.ConeResult, Optional[fx.Node], set]] = []
+    for node, op in nodes:
+        cone_nodes = nx.ancestors(flow, node) | {node}
+        index, why = _index_of(node, cone_nodes, leaves)
+        if why:
+            out.decisions.append(_decision(node, op, Action.REJECTED, Reason.SYMBOLIC, why, (), compile_id))
+            continue
+        result = cone.analyze_cone(node, list(leaves.values()), declared=opts.invariant, index=index)
+        if not result.ok:
+            out.decisions.append(_decision(node, op, Action.REJECTED, result.reason, result.detail, (), compile_id))
+            continue
+        if not result.leaves:
+            detail = "its inputs come from no graph input" if index is None else "it reads no table"
+            out.decisions.append(_decision(node, op, Action.REJECTED, Reason.CONSTANT_LEAF, detail, (), compile_id))
+            continue
+        aliased = _aliased(graph, node)
+        if aliased is not None:
+            out.decisions.append(_decision(node, op, Action.REJECTED, Reason.IN_OP_ALIASED, aliased, (), compile_id))
+            continue
+        chosen.append((node, op, result, index, cone_nodes))
+    if chosen:
+        _rewrite(gm, chosen, placeholders, leaves, opts, compile_id, out)
+    for d in out.decisions:
+        _record(d)
+    return out
+
+
+def _rewrite(gm: fx.GraphModule, chosen: list, placeholders: list[fx.Node], leaves: dict,
+             opts: Any, compile_id: Optional[str], out: Tabulation) -> None:
+    graph = gm.graph
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    output = new.graph_copy(graph, env)
+    new.output(output)
+    last = env[placeholders[-1]]
+    position = {p: i for i, p in enumerate(placeholders)}
+    for k, (node, op, result, index, cone_nodes) in enumerate(chosen):
+        with new.inserting_after(last):
+            ph = new.placeholder(f"nosync_tabulated_{k}")
+        ph.meta.update({key: v for key, v in env[node].meta.items() if key != "grapharg"})
+        last = ph
+        env[node].replace_all_uses_with(ph)
+        names = tuple(l.name for l in result.leaves)
+        by_source = {leaves[p].source: p for p in placeholders if p in leaves}
+        leaf_pos = tuple(position[by_source[l.source]] for l in result.leaves)
+        i = None if index is None else _int_value(leaves[index].example)
+        detail = (f"tabulated over {cone.dotted_name(leaves[index].source)} (traced at {i}): the op's value "
+                  f"at every index, once per request" if index is not None else "computed once per request")
+        if result.speculative:
+            detail += "; speculated invariant"
+        d = _decision(node, op, Action.TABULATED, Reason.IN_OP_TABULATED, detail,
+                      names + ((cone.dotted_name(leaves[index].source),) if index is not None else ()), compile_id)
+        out.decisions.append(d)
+        out.ops.append(TabulatedOp(
+            result.module, leaf_pos, None if index is None else position[index], result.index_pos,
+            tuple(l.declared for l in result.leaves), d,
+            (result.fingerprint, None if index is None else leaves[index].source, result.index_pos),
+        ))
+        out.examples.append(cone._example(node))
+    # Drop what only the tabulated ops read (pure by construction: their cones passed analyze_cone).
+    cones = {env[n] for (_, _, _, _, c) in chosen for n in c if n.op != "placeholder"}
+    for n in reversed(list(new.nodes)):
+        if n in cones and not n.users:
+            new.erase_node(n)
+    new.lint()
+    out.step = fx.GraphModule(gm, new, class_name="NosyncTabulatedStep")
+
