@@ -866,8 +866,9 @@ def _fx_site(fx_file: str, op: str) -> tuple[SiteKey, str, bool] | None:
     backend = sys.modules.get(__package__ + ".backend")
     if backend is None:
         return None
-    for entry in reversed(backend.compiled_graphs()):
-        gm = entry.get("graph")
+    inop = sys.modules.get(__package__ + ".inop")  # a tabulated op's cone runs as its own module
+    tabulated = inop.cone_modules() if inop is not None else []
+    for gm in [entry.get("graph") for entry in reversed(backend.compiled_graphs())] + tabulated:
         code = getattr(getattr(gm, "forward", None), "__code__", None)
         if code is None or code.co_filename != fx_file:
             continue

@@ -36,7 +36,11 @@ After (step graph, every call)::
         to = nosync_tabulated_0.to(torch.float32)
 
 The table entry at ``i`` is the very tensor the cone computed at ``i`` with the same ops on the
-same inputs, so values, dtype, shape and strides are identical to eager. The table is keyed like a
+same inputs, so values, dtype, shape and strides are identical to eager. On CPU, the ops of
+:data:`BATCHED_CPU` (``solve``, ``inv``, ``cholesky``) run once on the stacked inputs of every
+index (LAPACK runs per matrix: each slice has the bits of a call on that matrix alone, measured),
+so a request costs the op's syncs once (3 for ``solve``), not once per index; each slice is laid out
+with the strides of a call on that matrix alone. The table is keyed like a
 hoisted value (:class:`guards.ConeMemo`: weak identity, ``_version``, data pointer, shape, stride,
 dtype of every leaf; one memo per :func:`guards.bits_state`): ``set_timesteps`` building new tables
 is a new request and recomputes; a table written in place recomputes; interleaved requests hit the
@@ -75,7 +79,9 @@ log = logging.getLogger(__name__)
 
 # Ops that read back from the device inside their kernel: (function, _local_scalar_dense per call
 # measured on torch 2.13.0+cpu with small well-conditioned inputs; where each read comes from).
-# benchmarks/inop_survey.py measures them; tests/test_inop.py checks each still syncs.
+# benchmarks/inop_survey.py measures them; tests/test_inop.py checks each still syncs. Not here:
+# torch.linalg.lstsq (1 sync) is not repeatable eagerly on CPU (gelsy gave 2-6 distinct results over
+# 300 calls on one 3x3 input), and Dynamo breaks the graph at it (data-dependent output shape).
 SYNCING_OPS: dict[Callable, tuple[int, str]] = {
     torch.linalg.solve: (3, "_linalg_check_errors (info) + 2 in linalg_lu_solve (pivot checks)"),
     torch.linalg.solve_ex: (2, "2 in linalg_lu_solve (pivot checks)"),
@@ -86,7 +92,6 @@ SYNCING_OPS: dict[Callable, tuple[int, str]] = {
     torch.linalg.lu_solve: (2, "pivot checks"),
     torch.linalg.cholesky: (1, "_linalg_check_errors (info)"),
     torch.cholesky_solve: (1, "_linalg_check_errors in _cholesky_solve_helper"),
-    torch.linalg.lstsq: (1, "_linalg_check_errors (info)"),
     torch.linalg.eigh: (1, "_linalg_check_errors (info)"),
     torch.linalg.eigvalsh: (1, "_linalg_check_errors (info)"),
     torch.linalg.svd: (1, "_linalg_check_errors (info)"),
@@ -96,6 +101,17 @@ SYNCING_OPS: dict[Callable, tuple[int, str]] = {
 }
 # The same ops called as tensor methods (``R.inverse()``).
 SYNCING_METHODS: dict[str, Callable] = {"inverse": torch.inverse, "cholesky_solve": torch.cholesky_solve}
+
+# Ops whose batched call gives, for each matrix of a batch, the same bits as a call on that matrix
+# alone, measured on torch 2.13.0+cpu (tests/test_inop.py::test_batched_op_is_bitwise_per_matrix):
+# LAPACK runs per matrix on CPU. Only there: on CUDA the batched path may pick other kernels (cuBLAS/
+# MAGMA batched routines), not measured, so a CUDA table is computed one index at a time. The value is
+# the number of core dims of each tensor input (no batch dims allowed, so stacking adds exactly one).
+BATCHED_CPU: dict[Callable, tuple[tuple[int, ...], ...]] = {
+    torch.linalg.solve: ((2, 1), (2, 2)),   # A (k, k) with b (k,) or B (k, m)
+    torch.linalg.inv: ((2,),),
+    torch.linalg.cholesky: ((2,),),
+}
 
 STALE_TABLES = 3  # tables computed in a row that no call read: the leaves change on every call
 
@@ -137,6 +153,12 @@ class _Tables:
 
 
 _SHARED: "weakref.WeakValueDictionary[tuple, _Tables]" = weakref.WeakValueDictionary()
+_MODULES: "weakref.WeakSet[fx.GraphModule]" = weakref.WeakSet()
+
+
+def cone_modules() -> list[fx.GraphModule]:
+    """The cones of the live tabulated ops (count_syncs places their syncs at the op's line)."""
+    return list(_MODULES)
 
 
 class TabulatedOp:
@@ -145,8 +167,10 @@ class TabulatedOp:
 
     def __init__(self, module: fx.GraphModule, leaf_pos: tuple[int, ...], index_pos: Optional[int],
                  module_index_pos: Optional[int], declared: tuple[bool, ...], decision: Decision,
-                 fingerprint: tuple) -> None:
+                 fingerprint: tuple, batch: Optional["_Batch"] = None) -> None:
         self.module = module
+        self.batch = batch
+        _MODULES.add(module)
         self.leaf_pos = leaf_pos
         self.index_pos = index_pos
         self.module_index_pos = module_index_pos
@@ -172,6 +196,8 @@ class TabulatedOp:
             n = max((max(t.shape, default=1) for t in leaves), default=0)
             if n > MAX_TABLE_LEN:
                 raise TableTooLarge(f"a table dimension has {n} entries > {MAX_TABLE_LEN}")
+        if self.batch is not None and n > 1:
+            return self.batch.compute(self, leaves, n)
         values: list = [None] * n
         ok = [False] * n
         for i in range(n):
@@ -230,6 +256,98 @@ class TabulatedOp:
                                     "the original op runs from now on", leaves=d.leaves,
             compile_id=d.compile_id,
         ))
+
+
+class _Batch:
+    """One batched call of the op over every index instead of one call per index (CPU, see
+    :data:`BATCHED_CPU`): the cone up to the op's inputs runs per index (no sync), the op once on
+    the stacked inputs (its syncs once per request instead of once per index), and each index's
+    slice is laid out with the strides a call on that index alone returns (a copy of its bits).
+    When the batched call raises (one singular matrix fails the batch), the op runs per index, so
+    each index keeps its own outcome."""
+
+    def __init__(self, pre: Optional[fx.GraphModule], op: Callable, args: tuple, kwargs: dict,
+                 example: torch.Tensor, core_dims: tuple[tuple[int, ...], ...], stack_trace: str = "") -> None:
+        self.pre = pre  # the cone up to the op: forward(*leaves[, i]) -> the op's tensor inputs
+        # The op alone as a module whose node keeps the user's stack: count_syncs places its syncs
+        # at the op's line (see counting._fx_site).
+        g = fx.Graph()
+        inputs = [g.placeholder(f"input{j}") for j in range(sum(isinstance(a, _Slot) for a in args))]
+        node = g.call_function(op, tuple(inputs[a.j] if isinstance(a, _Slot) else a for a in args), kwargs)
+        node.meta["stack_trace"] = stack_trace
+        g.output(node)
+        self.call = fx.GraphModule(torch.nn.Module(), g, class_name="NosyncBatchedOp")
+        _MODULES.add(self.call)
+        self.shape, self.stride = tuple(example.shape), tuple(example.stride())
+        self.core_dims = core_dims
+
+    def _call(self, inputs: tuple) -> Any:
+        return self.call.forward(*inputs)
+
+    def compute(self, tab: "TabulatedOp", leaves: tuple, n: int) -> Table:
+        values: list = [None] * n
+        ok = [False] * n
+        inputs: dict[int, tuple] = {}
+        for i in range(n):
+            args = list(leaves)
+            args.insert(tab.module_index_pos, i)
+            try:
+                inputs[i] = tuple(self.pre.forward(*args))
+            except Exception:  # IndexError and the like: the original graph raises it at that call
+                continue
+        groups: dict[tuple, list[int]] = {}
+        for i, ins in inputs.items():
+            meta = tuple((t.shape, t.dtype, t.device) for t in ins)
+            if all(t.device.type == "cpu" for t in ins) and tuple(t.dim() for t in ins) in self.core_dims:
+                groups.setdefault(meta, []).append(i)
+            else:
+                groups.setdefault(("one at a time", i), []).append(i)
+        for idx in groups.values():
+            batched = None
+            if len(idx) > 1:
+                try:
+                    batched = self._call(tuple(torch.stack([inputs[i][j] for i in idx]) for j in range(len(inputs[idx[0]]))))
+                except Exception:
+                    batched = None  # e.g. one singular matrix: each index on its own below
+            for pos, i in enumerate(idx):
+                try:
+                    v = self._call(inputs[i]) if batched is None else self._layout(batched[pos])
+                except Exception:  # LinAlgError: the original graph raises it at that call
+                    continue
+                values[i], ok[i] = v, True
+        return Table(values, ok)
+
+    def _layout(self, v: torch.Tensor) -> torch.Tensor:
+        if tuple(v.shape) == self.shape and tuple(v.stride()) != self.stride:
+            v = torch.empty_strided(self.shape, self.stride, dtype=v.dtype, device=v.device).copy_(v)
+        return v
+
+
+@dataclass(frozen=True)
+class _Slot:
+    j: int
+
+
+def _batch_for(module: fx.GraphModule, op: Callable, example: Any) -> Optional[_Batch]:
+    """The batched form of a cone module whose output is ``op(...)``, when ``op`` is batchable."""
+    if op not in BATCHED_CPU or not isinstance(example, torch.Tensor):
+        return None
+    graph = module.graph
+    out = next(iter(graph.find_nodes(op="output")))
+    node = out.args[0]
+    if not isinstance(node, fx.Node) or node.op != "call_function" or cone._nodes_in(node.kwargs):
+        return None
+    tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
+    if any(cone._nodes_in(a) for a in node.args if not isinstance(a, fx.Node)):
+        return None  # a tensor inside a list argument: not one of the simple forms
+    args = tuple(_Slot(tensor_args.index(a)) if isinstance(a, fx.Node) else a for a in node.args)
+    pre_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    pre_graph.graph_copy(graph, env)
+    pre_graph.output(tuple(env[a] for a in tensor_args))
+    pre_graph.eliminate_dead_code()
+    pre = fx.GraphModule(module, pre_graph, class_name="NosyncConeInputs")
+    return _Batch(pre, op, args, dict(node.kwargs), example, BATCHED_CPU[op], node.meta.get("stack_trace", ""))
 
 
 class TabulatedStep:
@@ -406,6 +524,7 @@ def _rewrite(gm: fx.GraphModule, chosen: list, placeholders: list[fx.Node], leav
             result.module, leaf_pos, None if index is None else position[index], result.index_pos,
             tuple(l.declared for l in result.leaves), d,
             (result.fingerprint, None if index is None else leaves[index].source, result.index_pos),
+            None if index is None else _batch_for(result.module, op, cone._example(node)),
         ))
         out.examples.append(cone._example(node))
     # Drop what only the tabulated ops read (pure by construction: their cones passed analyze_cone).
