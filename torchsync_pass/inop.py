@@ -66,7 +66,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import networkx as nx
 import torch
 from torch import fx
 
@@ -466,10 +465,9 @@ def tabulate(gm: fx.GraphModule, opts: Any, compile_id: Optional[str]) -> Tabula
         return out
     placeholders = list(graph.find_nodes(op="placeholder"))
     leaves = {p: leaf for p in placeholders for leaf in [dynamo_hooks.leaf_of(p)] if leaf is not None}
-    flow = cone.dataflow(graph)
     chosen: list[tuple[fx.Node, Callable, cone.ConeResult, Optional[fx.Node], set]] = []
     for node, op in nodes:
-        cone_nodes = nx.ancestors(flow, node) | {node}
+        cone_nodes = cone.cone_of(node)
         index, why = _index_of(node, cone_nodes, leaves)
         if why:
             out.decisions.append(_decision(node, op, Action.REJECTED, Reason.SYMBOLIC, why, (), compile_id))
