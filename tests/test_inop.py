@@ -283,3 +283,24 @@ def test_tabulated_ops_bitwise_with_strides(name):
         if r:
             assert syncs[1:] == [0] * 7, syncs
     assert tabulated()
+
+
+def test_explain_marks_the_tabulated_op_at_its_line(capsys):
+    import json
+    import os
+
+    from torchsync_pass import explain
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "inop_demo.py")
+    rc = explain.main(["--json", "--progress", "0", script])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    with open(script) as f:
+        (line,) = [i for i, t in enumerate(f, 1) if t.rstrip().endswith("# SITE solve")]
+    rows = [s for s in rep["sites"] if s["line"] == line and s["file"].endswith("inop_demo.py")]
+    assert len(rows) == 1 and rows[0]["nosync"]["action"] == "tabulated"
+    assert rows[0]["nosync"]["reason"] == "IN_OP_TABULATED"
+    # 3 requests, 6 steps each: eagerly 18 solves (54 syncs); tabulated: one batched solve per request
+    # after the first (whose tabulation ran while the profiler was stopped for a compile)
+    assert rows[0]["kind"] == "in_op" and rows[0]["count"] <= 9, rows[0]
+    assert any(d["action"] == "tabulated" and d["kind"] == "in_op" for d in rep["nosync"])
