@@ -400,7 +400,7 @@ def record_kept(gm: fx.GraphModule, reason: Reason, detail: str, compile_id: Opt
     for n in gm.graph.nodes:
         op = syncing_op(n)
         if op is not None:
-            _record(_decision(n, op, Action.REJECTED, reason, detail, (), compile_id))
+            _record(_decision(n, op, Action.KEPT, reason, detail, (), compile_id))
 
 
 def _decision(node: fx.Node, op: Callable, action: Action, reason: Reason, detail: str,
@@ -470,19 +470,19 @@ def tabulate(gm: fx.GraphModule, opts: Any, compile_id: Optional[str]) -> Tabula
         cone_nodes = cone.cone_of(node)
         index, why = _index_of(node, cone_nodes, leaves)
         if why:
-            out.decisions.append(_decision(node, op, Action.REJECTED, Reason.SYMBOLIC, why, (), compile_id))
+            out.decisions.append(_decision(node, op, Action.KEPT, Reason.SYMBOLIC, why, (), compile_id))
             continue
         result = cone.analyze_cone(node, list(leaves.values()), declared=opts.invariant, index=index)
         if not result.ok:
-            out.decisions.append(_decision(node, op, Action.REJECTED, result.reason, result.detail, (), compile_id))
+            out.decisions.append(_decision(node, op, Action.KEPT, result.reason, result.detail, (), compile_id))
             continue
         if not result.leaves:
             detail = "its inputs come from no graph input" if index is None else "it reads no table"
-            out.decisions.append(_decision(node, op, Action.REJECTED, Reason.CONSTANT_LEAF, detail, (), compile_id))
+            out.decisions.append(_decision(node, op, Action.KEPT, Reason.CONSTANT_LEAF, detail, (), compile_id))
             continue
         aliased = _aliased(graph, node)
         if aliased is not None:
-            out.decisions.append(_decision(node, op, Action.REJECTED, Reason.IN_OP_ALIASED, aliased, (), compile_id))
+            out.decisions.append(_decision(node, op, Action.KEPT, Reason.IN_OP_ALIASED, aliased, (), compile_id))
             continue
         chosen.append((node, op, result, index, cone_nodes))
     if chosen:
