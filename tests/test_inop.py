@@ -304,3 +304,17 @@ def test_explain_marks_the_tabulated_op_at_its_line(capsys):
     # after the first (whose tabulation ran while the profiler was stopped for a compile)
     assert rows[0]["kind"] == "in_op" and rows[0]["count"] <= 9, rows[0]
     assert any(d["action"] == "tabulated" and d["kind"] == "in_op" for d in rep["nosync"])
+
+
+@pytest.mark.inductor
+def test_inductor_keeps_the_op_and_says_why():
+    f = torch.compile(corrector, backend=NosyncBackend({"codegen": "inductor"}))
+    s = Sched()
+    for _ in range(3):
+        f(s, torch.ones(4))
+    kept = [d for d in torchsync_pass.decisions() if d.kind == "in_op"]
+    assert kept and all(d.action is Action.KEPT and d.reason is Reason.IN_OP_INDUCTOR for d in kept)
+    assert "torch.linalg.solve(R, b)" in kept[0].source
+    with torchsync_pass.count_syncs() as c:
+        f(s, torch.ones(4))
+    assert c.by_kind.get("in_op") == 3  # kept: the op syncs inside, as under stock Inductor
