@@ -297,22 +297,16 @@ def patch_tensor_methods(wrappers: dict[str, Callable[..., Any]]) -> Callable[[]
     return restore
 
 
-@functools.lru_cache(maxsize=None)
-def _range_type() -> Callable[[str], Any]:
-    fast = getattr(getattr(torch._C, "_profiler", None), "_RecordFunctionFast", None)
-    return fast if fast is not None else torch.profiler.record_function
-
-
 def profiler_range(name: str) -> Any:
     """A context manager that marks a named range in the running profiler.
 
     NOTE: ``torch._C._profiler._RecordFunctionFast`` (what Dynamo and Inductor use for their own
     ranges): about 2-4 us per range against about 20 us for the public
     ``torch.profiler.record_function`` with the profiler's Python tracer on, whose own Python
-    frames also land in the trace. ``count_syncs()`` opens one per intercepted sync. Falls back to
-    ``torch.profiler.record_function`` when the fast class is missing.
+    frames also land in the trace. ``count_syncs()`` opens one per intercepted sync. Present in
+    every supported torch (since 2.2).
     """
-    return _range_type()(name)
+    return torch._C._profiler._RecordFunctionFast(name)
 
 
 def watch_compiles(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
@@ -418,7 +412,7 @@ def profiler_enabled() -> bool:
 
     NOTE: reads ``torch.autograd.profiler._is_profiler_enabled``; no public API says this.
     """
-    return bool(getattr(torch.autograd.profiler, "_is_profiler_enabled", False))
+    return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
 def graph_break_logger() -> logging.Logger:

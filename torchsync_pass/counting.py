@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import linecache
 import logging
 import os
 import re
@@ -242,10 +243,6 @@ class SyncCounts:
                 else:
                     st.values_overflow = True
 
-    def _add_py_calls(self, calls: collections.Counter) -> None:
-        with self._lock:
-            self._py_calls.update(calls)
-
     def _resolve_calls(self) -> None:
         """Fill SiteStats.calls from the Python tracer's function-call events."""
         if not self._py_calls:
@@ -429,24 +426,6 @@ def _short(s: str, n: int = 60) -> str:
 # --------------------------------------------------------------------------------------------
 # Dynamo: through dynamo_hooks and _torch_private only
 # --------------------------------------------------------------------------------------------
-def _hide_from_dynamo(fns: list[Callable[..., Any]]) -> None:
-    """Tell Dynamo never to compile the wrappers' frames (nor what they call).
-
-    Without it, compiled code that calls a wrapper after a graph break makes Dynamo try to compile
-    the wrapper frame, which adds a graph-break record to the user's counters. Must run before the
-    wrappers are installed (see :func:`_torch_private.skip_frames_in_dynamo`). Fallback: warn once
-    and carry on.
-    """
-    try:
-        _torch_private.skip_frames_in_dynamo(fns)
-    except Exception:
-        log.warning(
-            "torchsync_pass: could not mark the sync counter's wrappers as skipped for Dynamo; "
-            "graph-break counts under count_syncs() may include the counter's own frames",
-            exc_info=True,
-        )
-
-
 def _in_compilation() -> bool:
     """True while Dynamo/AOT/Inductor compile (their host reads are not the program's)."""
     try:
@@ -481,8 +460,6 @@ _NAMES_CPU = re.compile(r"""\.cpu\s*\(|["']cpu(?::\d+)?["']""")
 
 def _line_names_cpu(frame: Any) -> bool:
     """True when the user's source line that made the call names the host (``"cpu"``, ``.cpu()``)."""
-    import linecache
-
     uf = _user_frame(frame)
     if uf is None:
         return False
@@ -514,14 +491,9 @@ def _moves_to_host(name: str, self: torch.Tensor, args: tuple, kwargs: dict, fra
     return False
 
 
-def _is_mask(i: Any) -> bool:
-    return isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES
-
-
 def _has_mask(idx: Any) -> bool:
-    if type(idx) is tuple:
-        return any(_is_mask(i) for i in idx)
-    return _is_mask(idx)
+    return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES
+               for i in (idx if type(idx) is tuple else (idx,)))
 
 
 def _classify(name: str, self: torch.Tensor, args: tuple, kwargs: dict, frame: Any) -> str | None:
@@ -602,13 +574,22 @@ _hidden = False
 
 def _patch_tensor_methods() -> Callable[[], None]:
     """Install the method wrappers on ``torch.Tensor`` (while any counter is active); return
-    ``restore()``."""
+    ``restore()``.
+
+    Dynamo is first told never to compile the wrappers' frames (nor what they call): otherwise
+    compiled code that calls a wrapper after a graph break makes Dynamo try to compile the wrapper
+    frame, which adds a graph-break record to the user's counters.
+    """
     global _hidden
     wrappers = {name: _make_wrapper(name, getattr(torch.Tensor, name)) for name in _PATCHED}
     if not _hidden:
-        # all wrappers share one code object; _record and helpers run under its SKIP
-        _hide_from_dynamo([next(iter(wrappers.values()))])
         _hidden = True
+        try:  # all wrappers share one code object; _record and helpers run under its SKIP
+            _torch_private.skip_frames_in_dynamo([next(iter(wrappers.values()))])
+        except Exception:
+            log.warning("torchsync_pass: could not mark the sync counter's wrappers as skipped for "
+                        "Dynamo; graph-break counts under count_syncs() may include the counter's "
+                        "own frames", exc_info=True)
     return _torch_private.patch_tensor_methods(wrappers)
 
 
@@ -668,7 +649,7 @@ class _Profiler:
 
     def stop(self) -> list[Any]:
         """Stop and return the raw events. NOTE: the events point into the profiler's results:
-        ``self.prof`` keeps them alive until :meth:`release`, after the events were digested."""
+        this object keeps them alive; drop it only after the events were digested."""
         prof = self.prof
         if prof is None:
             return []
@@ -679,9 +660,6 @@ class _Profiler:
         except Exception:
             log.warning("torchsync_pass: could not read profiler events", exc_info=True)
             return []
-
-    def release(self) -> None:
-        self.prof = None
 
 
 _SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::masked_select"}
@@ -988,11 +966,7 @@ class _Session:
                 log.warning("torchsync_pass: could not watch %s; the profiler stays on during them "
                             "(slow, memory-hungry on large programs)", what, exc_info=True)
 
-        def unwatch() -> None:
-            for remove in removers:
-                remove()
-
-        self._unwatch = unwatch
+        self._unwatch = lambda: [remove() for remove in removers]
 
     def _paused_by(self) -> None:
         """Dynamo starts compiling, or a module starts loading: digest the chunk, stop the profiler."""
@@ -1070,12 +1044,12 @@ class _Session:
                 return
             events, py_calls, cuda = _process_events(raw, recs[0].mode)
         finally:
-            del raw
-            prof.release()
+            del raw, prof  # the profiler's results: free them before recording
         for r in recs:
             for ev in events:
                 r._add(ev)
-            r._add_py_calls(py_calls)
+            with r._lock:
+                r._py_calls.update(py_calls)
             r.cuda.stream_synchronize += cuda.stream_synchronize
             r.cuda.device_synchronize += cuda.device_synchronize
             r.cuda.dtoh_memcpy += cuda.dtoh_memcpy

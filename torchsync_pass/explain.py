@@ -69,9 +69,6 @@ class GraphBreak:
     user_stack: list[str] = field(default_factory=list)
     sync: bool = False
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass
 class CompiledFunction:
@@ -94,7 +91,7 @@ class CompiledFunction:
             "frames": len(self.frames),
             "graphs": self.graphs,
             "graph_ops": self.ops,
-            "graph_breaks": [b.to_json() for b in self.breaks],
+            "graph_breaks": [asdict(b) for b in self.breaks],
             "sync_graph_breaks": sum(b.sync for b in self.breaks),
             "recompiles": [{"compile_id": c, "reason": r} for c, r in self.recompiles],
             "failures": self.failures,
@@ -337,9 +334,7 @@ def build_report(
     script: str, args: list[str], outcome: _Outcome, counts: Any, funcs: list[CompiledFunction],
     decisions: list[Decision], notes: list[str], verification: list[dict] | None = None,
 ) -> dict[str, Any]:
-    latest: dict[SiteKey, Decision] = {}
-    for d in decisions:
-        latest[d.site] = d
+    latest = {d.site: d for d in decisions}  # the last decision of each site
     body = counts.to_json()
     sites = []
     for st in counts.sorted_sites():
@@ -412,12 +407,8 @@ def _verification_entry(entry: dict) -> dict[str, Any]:
 
 
 def _decision_for(site: SiteKey, latest: dict[SiteKey, Decision]) -> Decision | None:
-    d = latest.get(site)
-    if d is not None:
-        return d
-    return next(
-        (v for k, v in latest.items() if k.line == site.line and _same_file(k.file, site.file)),
-        None,
+    return latest.get(site) or next(
+        (v for k, v in latest.items() if k.line == site.line and _same_file(k.file, site.file)), None
     )
 
 
@@ -594,40 +585,26 @@ def _nosync_graphs() -> list[dict]:
     return backend.compiled_graphs() if backend is not None else []
 
 
-def _nosync_disabled() -> str | None:
-    hooks = sys.modules.get(f"{__package__}.dynamo_hooks")
-    return hooks.disabled_reason() if hooks is not None else None
-
-
-class _Progress:
+@contextlib.contextmanager
+def _progress(counter: Any, interval: float) -> Any:
     """Prints ``torchsync-explain: 60 s, 412 host syncs so far, 7 nosync decisions`` on stderr
     every ``interval`` seconds while the script runs (a daemon thread that only reads counts)."""
+    stop, t0, decisions0 = threading.Event(), time.monotonic(), len(DECISIONS.all())
 
-    def __init__(self, counter: Any, interval: float) -> None:
-        self.counter, self.interval = counter, interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    def loop() -> None:
+        while not stop.wait(interval):
+            print(f"{PROG}: {time.monotonic() - t0:.0f} s, {counter.total} host syncs so far, "
+                  f"{len(DECISIONS.all()) - decisions0} nosync decisions", file=sys.stderr, flush=True)
 
-    def __enter__(self) -> "_Progress":
-        if self.interval > 0:
-            self._t0 = time.monotonic()
-            self._decisions0 = len(DECISIONS.all())
-            self._thread = threading.Thread(target=self._loop, name="torchsync-explain-progress",
-                                            daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            elapsed = time.monotonic() - self._t0
-            print(f"{PROG}: {elapsed:.0f} s, {self.counter.total} host syncs so far, "
-                  f"{len(DECISIONS.all()) - self._decisions0} nosync decisions", file=sys.stderr,
-                  flush=True)
+    thread = threading.Thread(target=loop, name="torchsync-explain-progress", daemon=True)
+    if interval > 0:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -658,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     watcher = _CompileWatcher()
     watcher.start()
     counter = counting.count_syncs(profiler=not ns.no_profiler)
-    with counter, verify_ctx, _Progress(counter, ns.progress):
+    with counter, verify_ctx, _progress(counter, ns.progress):
         outcome = _run(code, ns.script, list(ns.args), stdout_to_stderr=ns.json)
     # the nosync self-test compiles tiny probes of its own on first use: not the user's functions
     funcs = [
@@ -677,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
         verification,
     )
     rep["nosync_graphs"] = sum(id(e) not in seen_graphs for e in _nosync_graphs())
-    rep["nosync_disabled"] = _nosync_disabled()
+    hooks = sys.modules.get(f"{__package__}.dynamo_hooks")
+    rep["nosync_disabled"] = hooks.disabled_reason() if hooks is not None else None
     if ns.json:
         print(json.dumps(rep, indent=2, default=str))
     else:
