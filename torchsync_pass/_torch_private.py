@@ -45,15 +45,13 @@ private name                                                     used by
 ``torch._dynamo.utils.get_compilation_metrics``                  :class:`CompilationWatch`
 ===============================================================  ==============================
 
-The functions from :func:`skip_frames_in_dynamo` down (moved here from dynamo_hooks.py) serve
-``count_syncs()`` and the explain CLI.
-
 NOTE: :func:`symint_hint` asks ``guarding_hint_or_throw`` only when ``node.hint`` is missing; it
 reads the hint without adding a guard. Every import is inside the function that needs it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -153,9 +151,7 @@ def children(x: Any) -> dict[Any, tuple[str, Any]] | None:
     """
     from torch.utils._pytree import tree_flatten, tree_flatten_with_path
 
-    def top(y: Any) -> bool:
-        return y is not x
-
+    top = lambda y: y is not x  # noqa: E731 - only x itself is a node; its children are leaves
     try:
         pairs, spec = tree_flatten_with_path(x, is_leaf=top)
     except ValueError:  # a node registered without key paths
@@ -286,10 +282,8 @@ def patch_tensor_methods(wrappers: dict[str, Callable[..., Any]]) -> Callable[[]
     def restore() -> None:
         for name, old in saved.items():
             if old is _ABSENT:
-                try:
+                with contextlib.suppress(AttributeError):
                     delattr(torch.Tensor, name)
-                except AttributeError:
-                    pass
             else:
                 setattr(torch.Tensor, name, old)
         saved.clear()
@@ -326,10 +320,8 @@ def watch_compiles(on_start: Callable[[], None], on_end: Callable[[], None]) -> 
     def remove() -> None:
         for unregister, cb in ((callback_handler.remove_start_callback, start),
                                (callback_handler.remove_end_callback, end)):
-            try:
+            with contextlib.suppress(ValueError):  # already removed (callback_handler.clear())
                 unregister(cb)
-            except ValueError:  # already removed (e.g. torch._dynamo.callback_handler.clear())
-                pass
 
     return remove
 
@@ -439,7 +431,7 @@ class CompileRecord:
     recompile_reason: Optional[str]
     fail_type: Optional[str]
     fail_reason: Optional[str]
-    is_runtime: bool
+    is_runtime: Optional[bool]
 
 
 class CompilationWatch:
@@ -468,6 +460,5 @@ class CompilationWatch:
         finally:
             if self._old_limit:
                 dutils.set_compilation_metrics_limit(self._old_limit)
-        names = [f.name for f in dataclasses.fields(CompileRecord) if f.name != "is_runtime"]
-        return [CompileRecord(**{n: getattr(m, n) for n in names}, is_runtime=bool(getattr(m, "is_runtime", False)))
+        return [CompileRecord(**{f.name: getattr(m, f.name) for f in dataclasses.fields(CompileRecord)})
                 for m in new]

@@ -56,21 +56,9 @@ _RANDOM_RE = re.compile(
     r"exponential|cauchy|geometric|log_normal|dropout|alpha_dropout|feature_alpha_dropout|"
     r"rrelu|random|seed|manual_seed|get_rng_state|set_rng_state)(_|$|_like$)"
 )
-_INPLACE_OPERATORS = {
-    operator.setitem,
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-    operator.ifloordiv,
-    operator.imod,
-    operator.ipow,
-    operator.iand,
-    operator.ior,
-    operator.ixor,
-    operator.ilshift,
-    operator.irshift,
-    operator.imatmul,
+_INPLACE_OPERATORS = {operator.setitem} | {  # x[i] = v, and x += y, x -= y, ...
+    getattr(operator, "i" + op) for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
+                                           "and", "or", "xor", "lshift", "rshift", "matmul")
 }
 _SAFE_PRIVATE = {"_unsafe_view"}
 # A resume function's stack inputs: values an earlier graph of the frame handed across a break.
@@ -127,9 +115,7 @@ def is_declared(name: str, declared: Iterable[str]) -> bool:
 
 def _target_name(node: fx.Node) -> str:
     t = node.target
-    if isinstance(t, str):
-        return t
-    return getattr(t, "__name__", None) or str(t)
+    return t if isinstance(t, str) else getattr(t, "__name__", None) or str(t)
 
 
 def is_random(node: fx.Node) -> bool:

@@ -16,7 +16,7 @@ Why two sources: a sync is a host read of device data, and no single probe sees 
 NOTE: no ``TorchDispatchMode``/``TorchFunctionMode`` is used: with one active Dynamo runs the
 compiled function eagerly. Dynamo traces tensor methods by name, never through the class
 attribute, so the wrappers do not change what it captures; the wrappers' own frames are marked
-"skip" for Dynamo (see ``_hide_from_dynamo``) so it does not try to compile them when compiled code
+"skip" for Dynamo (see ``_patch_tensor_methods``) so it does not try to compile them when compiled code
 calls them after a graph break. Every torch-internal access (and the ``torch.Tensor`` patching
 itself) goes through :mod:`torchsync_pass._torch_private`; this module only builds the wrappers.
 
@@ -357,12 +357,6 @@ def _user_frame(frame: Any) -> Any:
     return frame
 
 
-def _function_name(code: Any) -> str:
-    name = getattr(code, "co_qualname", code.co_name)
-    m = dynamo_hooks.RESUME_RE.match(code.co_name)
-    return m.group(1) if m else name
-
-
 def _is_import_machinery(filename: str) -> bool:
     return filename.startswith("<frozen importlib") or filename.endswith(
         os.sep + os.path.join("importlib", "__init__.py")
@@ -381,9 +375,10 @@ def _site_of(frame: Any) -> tuple[SiteKey, str, tuple | None]:
         return _IMPORT_SITE, "", None
     code = uf.f_code
     _KNOWN_FILES.add(code.co_filename)
+    resumed = dynamo_hooks.RESUME_RE.match(code.co_name)  # name a resume function by its original
     return (
         SiteKey(code.co_filename, uf.f_lineno or code.co_firstlineno),
-        _function_name(code),
+        resumed.group(1) if resumed else code.co_qualname,
         (code.co_filename, code.co_firstlineno, code.co_name),
     )
 
@@ -421,17 +416,6 @@ def _value_key(kind: str, out: Any) -> tuple[Any, str]:
 def _short(s: str, n: int = 60) -> str:
     s = " ".join(s.split())
     return s if len(s) <= n else s[: n - 3] + "..."
-
-
-# --------------------------------------------------------------------------------------------
-# Dynamo: through dynamo_hooks and _torch_private only
-# --------------------------------------------------------------------------------------------
-def _in_compilation() -> bool:
-    """True while Dynamo/AOT/Inductor compile (their host reads are not the program's)."""
-    try:
-        return dynamo_hooks.compiling()
-    except Exception:
-        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,9 +508,8 @@ _PATCHED = [*_ALWAYS, "cpu", "to", "__getitem__", "__setitem__"]
 
 
 def _record(kind: str, self: torch.Tensor, out: Any, frame: Any) -> None:
-    site, fn, code_key = (
-        (SiteKey("<compile>", 0), "", None) if _in_compilation() else _site_of(frame)
-    )
+    # reads made while Dynamo/AOT/Inductor compile are not the program's
+    site, fn, code_key = (SiteKey("<compile>", 0), "", None) if dynamo_hooks.compiling() else _site_of(frame)
     if site.line == 0 and site.file in ("<compile>", "<import>"):
         ev = _Event(kind, site, "", None, compile_time=True)
     else:
@@ -553,10 +536,8 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, *args, **kwargs)
         _TLS.depth = 1
         try:
-            if _SESSION.profiling:
-                with _torch_private.profiler_range("torchsync_pass::" + kind):
-                    out = orig(self, *args, **kwargs)
-            else:
+            marked = _SESSION.profiling  # a profiler range, so its aten events are not counted twice
+            with _torch_private.profiler_range("torchsync_pass::" + kind) if marked else contextlib.nullcontext():
                 out = orig(self, *args, **kwargs)
             _record(kind, self, out, frame)
         finally:

@@ -33,7 +33,6 @@ and three callables: :func:`install` (with a policy), :func:`add_lambda_guard` a
 from __future__ import annotations
 
 import functools
-import inspect
 import linecache
 import logging
 import operator
@@ -108,7 +107,7 @@ class SyncSite:
 
     @property
     def code_name(self) -> str:
-        return getattr(self.code, "co_qualname", self.code.co_name)
+        return self.code.co_qualname
 
 
 # A policy maps a SyncSite to ``(True, value)`` to hoist (the value replaces the sync) or
@@ -135,21 +134,16 @@ def _unwrap_backend(fn: Any) -> tuple[Any, dict]:
     the options travel in ``_TorchCompileWrapper.kwargs`` (copied onto the debug wrapper).
     """
     kwargs: dict = {}
-    seen = 0
-    while fn is not None and seen < 8:
-        seen += 1
+    for _ in range(8):
+        if fn is None:
+            break
         if _backend_matcher is not None and _backend_matcher(fn):
             return fn, kwargs
         kw = getattr(fn, "kwargs", None)
         if isinstance(kw, dict) and not kwargs:
             kwargs = dict(kw)
-        nxt = None
-        for attr in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__"):
-            cand = getattr(fn, attr, None)
-            if cand is not None and cand is not fn:
-                nxt = cand
-                break
-        fn = nxt
+        fn = next((c for attr in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__")
+                   if (c := getattr(fn, attr, None)) is not None and c is not fn), None)
     return None, {}
 
 
@@ -174,10 +168,7 @@ def _nosync_options(tx: Any) -> Any:
 # Describing a sync site
 # --------------------------------------------------------------------------------------------
 def _source_name(source: Any) -> Optional[str]:
-    if source is None:
-        return None
-    name = source.name
-    return name() if callable(name) else name
+    return None if source is None else source.name  # a (cached) property on every supported torch
 
 
 def _role(source_name: str, example: Any) -> str:
@@ -256,11 +247,7 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
         frame_locals=getattr(output.root_tx, "f_locals", None),
         _tx=tx,
     )
-    for n in node.graph.nodes:
-        if n.op == "placeholder":
-            leaf = leaf_of(n)
-            if leaf is not None:
-                site.leaves.append(leaf)
+    site.leaves = [leaf for n in node.graph.find_nodes(op="placeholder") if (leaf := leaf_of(n)) is not None]
     return site
 
 
@@ -279,12 +266,8 @@ def _later_twins(tx: Any, inst: Any) -> int:
         start = next(i for i, x in enumerate(insts) if x is inst)
     except StopIteration:
         return 0
-    n = 0
-    for x in insts[start + 1 :]:
-        pos = getattr(x, "positions", None)
-        if x.opname == inst.opname and pos is not None and (pos.lineno, pos.col_offset) == at:
-            n += 1
-    return n
+    return sum(1 for x in insts[start + 1 :] if x.opname == inst.opname
+               and (pos := getattr(x, "positions", None)) is not None and (pos.lineno, pos.col_offset) == at)
 
 
 def _frame_compile_index() -> int:
@@ -297,7 +280,7 @@ def _frame_compile_index() -> int:
 def recompile_limit() -> int:
     import torch._dynamo.config as cfg
 
-    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+    return int(cfg.recompile_limit)  # named so since torch 2.7 (was cache_size_limit)
 
 
 def _ask_policy(tx: Any, var: Any, kind: str) -> tuple[bool, Any, Optional[SyncSite]]:

@@ -154,46 +154,43 @@ class _CompileWatcher:
     """
 
     def __init__(self) -> None:
-        self.ok = False
         self.note = ""
-        self._metrics: Any = None
-        self._handler: _BreakHandler | None = None
-        self._logger: logging.Logger | None = None
-        self._saved: tuple = ()
+        self._stop: Any = None
 
     def start(self) -> None:
+        metrics = None
         try:
             from . import _torch_private, dynamo_hooks
 
-            self._metrics = _torch_private.CompilationWatch()
-            self._logger = _torch_private.graph_break_logger()
-            lg = self._logger
-            self._saved = (lg.level, lg.propagate)
-            user_enabled = lg.isEnabledFor(logging.DEBUG)
-            self._handler = _BreakHandler(dynamo_hooks.current_compile_id)
-            lg.addHandler(self._handler)
-            if not user_enabled:  # TORCH_LOGS=graph_breaks not set: collect, print nothing
+            metrics = _torch_private.CompilationWatch()
+            lg = _torch_private.graph_break_logger()
+            saved = (lg.level, lg.propagate)
+            handler = _BreakHandler(dynamo_hooks.current_compile_id)
+            lg.addHandler(handler)
+            if not lg.isEnabledFor(logging.DEBUG):  # TORCH_LOGS=graph_breaks not set: collect, print nothing
                 lg.setLevel(logging.DEBUG)
                 lg.propagate = False
-            self.ok = True
         except Exception as e:
             self.note = f"compiled-function info unavailable on this torch ({e!r})"
-            if self._metrics is not None:  # put Dynamo's metrics limit back
+            if metrics is not None:  # put Dynamo's metrics limit back
                 with contextlib.suppress(Exception):
-                    self._metrics.stop()
+                    metrics.stop()
             log.debug("compile watcher not started", exc_info=True)
+            return
+
+        def stop() -> list[CompiledFunction]:
+            lg.removeHandler(handler)
+            lg.setLevel(saved[0])
+            lg.propagate = saved[1]
+            return _group(metrics.stop(), handler.breaks)
+
+        self._stop = stop
 
     def stop(self) -> list[CompiledFunction]:
-        if not self.ok:
+        if self._stop is None:
             return []
         try:
-            lg = self._logger
-            assert lg is not None and self._handler is not None
-            lg.removeHandler(self._handler)
-            lg.setLevel(self._saved[0])
-            lg.propagate = self._saved[1]
-            metrics = self._metrics.stop()
-            return _group(metrics, self._handler.breaks)
+            return self._stop()
         except Exception as e:
             self.note = f"compiled-function info unavailable on this torch ({e!r})"
             log.debug("compile watcher failed", exc_info=True)

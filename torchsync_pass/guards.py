@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import json
 import logging
 import operator
 import struct
@@ -89,7 +90,7 @@ def _hoistable(v: Any, depth: int = 0) -> bool:
 # Memo
 # ----------------------------------------------------------------------------------------------
 # What identifies a leaf's contents without reading them. Written once, as expressions over ``t``:
-# _fingerprint, the memo lookup and the generated fast path (_same_call_fn) all use these.
+# _fingerprints, the memo lookup and the generated fast path (_same_call_fn) all use these.
 # An undeclared leaf: ``_version`` raises on an inference tensor, so the guard fails closed.
 _FP_VERSIONED = "({t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype)"
 # A declared leaf, decided per tensor (never per cone: one argument can be an inference tensor on
@@ -100,8 +101,8 @@ _fp_versioned = eval("lambda t: " + _FP_VERSIONED.format(t="t"))  # noqa: S307 -
 _fp_declared = eval("lambda t: " + _FP_DECLARED.format(t="t"))  # noqa: S307 - constant source
 
 
-def _fingerprint(t: torch.Tensor, declared: bool) -> tuple:
-    return _fp_declared(t) if declared else _fp_versioned(t)
+def _fingerprints(leaves: tuple, declared: Any) -> tuple:
+    return tuple([_fp_declared(t) if d else _fp_versioned(t) for t, d in zip(leaves, declared)])
 
 
 def bits_state() -> tuple:
@@ -141,9 +142,6 @@ class ConeMemo:
         self.entries: list[_Entry] = []
         self.lock = threading.Lock()
 
-    def fingerprints(self, leaves: tuple) -> tuple:
-        return tuple([_fingerprint(t, d) for t, d in zip(leaves, self.declared)])
-
     def lookup(self, leaves: tuple) -> Optional[_Entry]:
         # Hot path (every guard evaluation): plain loops, no generators, no helper calls for the
         # common single-leaf cone.
@@ -171,7 +169,7 @@ class ConeMemo:
             if not same:
                 continue
             if fps is None:
-                fps = self.fingerprints(leaves)
+                fps = _fingerprints(leaves, self.declared)
             if fps == e.fps:
                 if i:
                     self._to_front(e)
@@ -183,7 +181,7 @@ class ConeMemo:
             self.entries = [e] + [x for x in self.entries if x is not e]
 
     def store(self, leaves: tuple, key: Any, value: Any) -> _Entry:
-        e = _Entry(tuple(weakref.ref(t) for t in leaves), self.fingerprints(leaves), key, value)
+        e = _Entry(tuple(weakref.ref(t) for t in leaves), _fingerprints(leaves, self.declared), key, value)
         with self.lock:
             self.entries = [x for x in self.entries if all(r() is not None for r in x.refs)]
             self.entries.insert(0, e)
@@ -203,7 +201,6 @@ class Spec:
     hits: int = 0
     leaf_refs: tuple = ()
     leaf_versions: tuple = ()
-
 
 
 @dataclass
@@ -279,10 +276,7 @@ class SiteState:
     @property
     def specs(self) -> dict:
         """Every specialised value of the site, over all its cones (for reports and tests)."""
-        out: dict = {}
-        for cone in self.cones.values():
-            out.update(cone.specs)
-        return out
+        return {k: spec for cone in self.cones.values() for k, spec in cone.specs.items()}
 
 
 _sites: dict[tuple, SiteState] = {}
@@ -342,10 +336,8 @@ def _record(state: SiteState, action: Action, reason: Reason, detail: str = "", 
     _trace_structured(d)
 
 
-def _trace_structured(d: Decision) -> None:
+def _trace_structured(d: Decision) -> None:  # also inop's
     try:
-        import json
-
         _torch_private.trace_artifact("nosync_decision", lambda: json.dumps(d.to_json()))
     except Exception:  # structured tracing is best effort
         log.debug("nosync: trace_structured failed", exc_info=True)
@@ -400,7 +392,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         state.cones[fp] = cone
     bits = bits_state()
     try:
-        entry, synced = cone.current(leaves, cone.memo_for(bits))
+        entry, _ = cone.current(leaves, cone.memo_for(bits))
     except Exception as e:
         return _reject(state, Reason.EVAL_FAILED, f"{type(e).__name__}: {e}", compile_id)
     value = entry.value
@@ -631,10 +623,6 @@ class SiteCheck:
         last: list = [None, None, False]  # weak refs, fingerprint of the last passing call, booked
         threads = checks[0].bits[0]  # one compile: every check has the same bits_state()
         get_num_threads = torch.get_num_threads
-
-        def fingerprint(leaves: tuple) -> tuple:
-            return tuple([_fingerprint(t, d) for t, d in zip(leaves, declared)])
-
         same_call = _same_call_fn(len(sources), tuple(declared))
 
         def run(L: Any, G: Any) -> bool:
@@ -663,7 +651,7 @@ class SiteCheck:
                     return False
             if not dynamo_hooks.compiling():
                 last[0] = tuple(weakref.ref(t) for t in leaves)
-                last[1] = fingerprint(leaves)
+                last[1] = _fingerprints(leaves, declared)
                 last[2] = False
             return True
 
@@ -829,10 +817,7 @@ def _register_check(frame_code: Any, check: SiteCheck) -> None:
     if frame_code is None:
         return
     with _lock:
-        checks = _checks_by_code.get(frame_code)
-        if checks is None:
-            checks = _checks_by_code[frame_code] = weakref.WeakSet()
-        checks.add(check)
+        _checks_by_code.setdefault(frame_code, weakref.WeakSet()).add(check)
 
 
 def checks_for(frame_code: Any) -> list[SiteCheck]:

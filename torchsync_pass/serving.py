@@ -103,10 +103,9 @@ def _frames(fn: Any, args: tuple, kwargs: dict) -> list[tuple[Any, dict, dict]]:
             out.append((fwd.__code__, dict(bound.arguments), fwd.__globals__))
         except TypeError:
             pass
-        for impl in ("_call_impl", "_wrapped_call_impl"):
-            f = getattr(torch.nn.Module, impl, None)
-            if f is not None:
-                out.append((f.__code__, {"self": mod, "args": args, "kwargs": kwargs}, f.__globals__))
+        for impl in ("_call_impl", "_wrapped_call_impl"):  # both on every supported torch
+            f = getattr(torch.nn.Module, impl)
+            out.append((f.__code__, {"self": mod, "args": args, "kwargs": kwargs}, f.__globals__))
         return out
     func, self_ = (fn.__func__, fn.__self__) if inspect.ismethod(fn) else (fn, None)
     func = inspect.unwrap(func)
@@ -138,7 +137,7 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
         checks = guards.checks_for(code)
         if not checks:
             continue
-        report = RequestCheck(getattr(code, "co_qualname", code.co_name))
+        report = RequestCheck(code.co_qualname)
         _run_checks(checks, L, G, report)
         break
     if report is None:

@@ -14,6 +14,7 @@ left to fold afterwards.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable
 
 import sympy
@@ -29,10 +30,8 @@ def free_symbols_of(*values: Any) -> set[sympy.Symbol]:
         if v is None:
             continue
         if isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
-            try:
+            with contextlib.suppress(Exception):  # tensors without a shape env
                 out |= free_symbols(v)
-            except Exception:  # tensors without a shape env
-                pass
         elif isinstance(v, (list, tuple)):
             out |= free_symbols_of(*v)
     return out

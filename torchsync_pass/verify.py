@@ -34,17 +34,18 @@ import dataclasses
 import enum
 import logging
 import math
+import operator
 import random
 import re
 import sys
 import textwrap
 import warnings
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from . import _torch_private as private
-from .cone import user_frames, written_nodes
+from .cone import _nodes_in, user_frames, written_nodes
 from .errors import VerificationError
 from .guards import value_key
 
@@ -635,10 +636,8 @@ class _ModuleState:
         for name, buf in gm.named_buffers():
             found.setdefault(id(buf), (name, buf))
         for node in gm.graph.find_nodes(op="get_attr"):
-            obj: Any = gm
             try:
-                for part in str(node.target).split("."):
-                    obj = getattr(obj, part)
+                obj = operator.attrgetter(str(node.target))(gm)
             except AttributeError:
                 continue
             if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter):
@@ -693,16 +692,10 @@ def _node_source(node: Any) -> str:
     return f"no user stack trace on {node.name!r} or its inputs"
 
 
-def _output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
+def _attach_sources(gm: torch.fx.GraphModule, mismatches: list[Mismatch]) -> list[Mismatch]:
     out = gm.graph.output_node()
     result = out.args[0] if out.args else None
-    if isinstance(result, (list, tuple)):
-        return list(result)
-    return [result]
-
-
-def _attach_sources(gm: torch.fx.GraphModule, mismatches: list[Mismatch]) -> list[Mismatch]:
-    nodes = _output_nodes(gm)
+    nodes = list(result) if isinstance(result, (list, tuple)) else [result]
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     res = []
     for m in mismatches:
@@ -711,9 +704,7 @@ def _attach_sources(gm: torch.fx.GraphModule, mismatches: list[Mismatch]) -> lis
         if hit and int(hit[1]) < len(nodes):
             target = nodes[int(hit[1])]
             if isinstance(target, (list, tuple, dict)):
-                inner: list[torch.fx.Node] = []
-                torch.fx.node.map_arg(target, lambda n: inner.append(n) or n)
-                source = "\n".join(_node_source(n) for n in inner[:3])
+                source = "\n".join(_node_source(n) for n in _nodes_in(target)[:3])
             else:
                 source = _node_source(target)
         hit = re.match(r"input\[(\d+)\]", m.path)
