@@ -35,8 +35,8 @@ is the policy and the records:
   counted in ``counters["nosync"]`` under the action's name, logged under ``TORCH_LOGS=nosync`` and
   in ``TORCH_TRACE`` (artifact ``nosync_decision``).
 
-The stacked list of the list form is a pure function of the list's tensors: with
-``codegen="eager"`` it is cached once per request by :mod:`torchsync_pass.invariant` (its memo keys
+The stacked list of the list form is a pure function of the list's tensors: with either codegen
+it is cached once per request by :mod:`torchsync_pass.invariant` (its memo keys
 each tensor by identity, ``_version`` and metadata; Dynamo's own guards cover the list's length), so a
 list whose element is replaced, written in place or appended gives the new answer.
 """
