@@ -272,8 +272,6 @@ def patch_tensor_methods(wrappers: dict[str, Callable[..., Any]]) -> Callable[[]
 
     ``restore()`` puts back exactly what ``torch.Tensor.__dict__`` held (a name that was only
     inherited from ``torch._C.TensorBase`` is deleted again, not pinned) and is idempotent.
-    NOTE: Dynamo traces tensor methods by name, never through these class attributes, so the
-    wrappers do not change what it captures.
     """
     saved = {name: torch.Tensor.__dict__.get(name, _ABSENT) for name in wrappers}
     for name, wrapper in wrappers.items():

@@ -184,7 +184,7 @@ class SyncCounts:
     def __init__(self, *, profiler: bool = True, stacks: bool = True) -> None:
         self.want_profiler = profiler
         self.want_stacks = stacks
-        self.mode = "device" if _accelerator_available() else "cpu-as-device"
+        self.mode = "device" if torch.cuda.is_available() else "cpu-as-device"
         self.total = 0
         self.by_kind: dict[str, int] = collections.Counter()
         self.by_site: dict[SiteKey, int] = collections.Counter()
@@ -245,8 +245,6 @@ class SyncCounts:
 
     def _resolve_calls(self) -> None:
         """Fill SiteStats.calls from the Python tracer's function-call events."""
-        if not self._py_calls:
-            return
         index: dict[tuple[str, str], list[tuple[str, int, int]]] = collections.defaultdict(list)
         for (efile, first, name), n in self._py_calls.items():
             index[(os.path.basename(efile), name)].append((efile, first, n))
@@ -265,8 +263,7 @@ class SyncCounts:
             if first is not None:
                 cands = [(f, n) for f, n in cands if f == first]
             elif len({f for f, _ in cands}) > 1:  # ambiguous: the closest def above the site
-                above = [f for f, _ in cands if f <= st.site.line]
-                best = max(above) if above else None
+                best = max((f for f, _ in cands if f <= st.site.line), default=None)
                 cands = [(f, n) for f, n in cands if f == best]
             if cands:
                 st.calls = sum(n for _, n in cands)
@@ -601,13 +598,6 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def _accelerator_available() -> bool:
-    try:
-        return torch.cuda.is_available()
-    except Exception:
-        return False
-
-
 class _Profiler:
     def __init__(self, stacks: bool) -> None:
         self.stacks = stacks
@@ -620,7 +610,7 @@ class _Profiler:
 
         self.prof = profile(
             use_kineto=True,
-            use_device="cuda" if _accelerator_available() else None,
+            use_device="cuda" if torch.cuda.is_available() else None,
             with_stack=self.stacks,
             record_shapes=False,
         )
@@ -631,9 +621,7 @@ class _Profiler:
     def stop(self) -> list[Any]:
         """Stop and return the raw events. NOTE: the events point into the profiler's results:
         this object keeps them alive; drop it only after the events were digested."""
-        prof = self.prof
-        if prof is None:
-            return []
+        prof = self.prof  # set: only a started _Profiler is ever stopped
         with _quiet_stderr():
             prof.__exit__(None, None, None)
         try:
@@ -912,7 +900,7 @@ class _Session:
         with self._lock:
             self._flush()
             if not self._recs:
-                self.accelerator = _accelerator_available()
+                self.accelerator = torch.cuda.is_available()
                 self._unpatch = _patch_tensor_methods()
                 self._watch_pauses()
             self._recs.append(rec)

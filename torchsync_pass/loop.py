@@ -149,8 +149,7 @@ class ModeReport:
     def describe(self) -> str:
         status = "ok" if self.ok else "FAILED"
         graphs = f"{self.graphs} graph{'' if self.graphs == 1 else 's'} compiled"
-        head = f"{self.name:<18} {status:<7} {self.steps_run} steps, {graphs} [{self.backend}]"
-        lines = [head]
+        lines = [f"{self.name:<18} {status:<7} {self.steps_run} steps, {graphs} [{self.backend}]"]
         if self.error:
             lines.append(f"    error: {self.error}")
         if self.steps_run != self.expected_steps and not self.error:

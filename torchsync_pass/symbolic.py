@@ -27,8 +27,6 @@ def free_symbols_of(*values: Any) -> set[sympy.Symbol]:
 
     out: set[sympy.Symbol] = set()
     for v in values:
-        if v is None:
-            continue
         if isinstance(v, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
             with contextlib.suppress(Exception):  # tensors without a shape env
                 out |= free_symbols(v)

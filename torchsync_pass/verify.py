@@ -284,15 +284,14 @@ def _compare_tensors(path: str, e: torch.Tensor, a: torch.Tensor, out: list[Mism
 
     if Diff.DTYPE in diffs:
         # Different dtypes have different bit patterns; report the value difference only.
+        max_abs = None
         if numel:
             common = torch.promote_types(e.dtype, a.dtype)
             if not torch.equal(e.to(common), a.to(common)):
                 diffs.append(Diff.VALUE)
                 details.append("values differ after promotion to " + str(common))
-            max_abs = (_real_view(e.to(common)).double() - _real_view(a.to(common)).double()).abs().max()
-            out.append(Mismatch(path, tuple(diffs), ", ".join(details), max_abs=float(max_abs), numel=numel))
-        else:
-            out.append(Mismatch(path, tuple(diffs), ", ".join(details), numel=numel))
+            max_abs = float((_real_view(e.to(common)).double() - _real_view(a.to(common)).double()).abs().max())
+        out.append(Mismatch(path, tuple(diffs), ", ".join(details), max_abs=max_abs, numel=numel))
         return
 
     value = _value_mismatch(e, a) if numel else None
