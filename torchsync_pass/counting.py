@@ -339,12 +339,8 @@ class _Event:
 
 
 def _is_internal_file(filename: str) -> bool:
-    return (
-        filename.startswith(dynamo_hooks.TORCH_DIR)
-        or filename.startswith(_OWN_DIR)
-        or filename.startswith("<eval_with_key>")
-        or filename == dynamo_hooks.SELF_TEST_FILE
-    )
+    return (filename.startswith((dynamo_hooks.TORCH_DIR, _OWN_DIR, "<eval_with_key>"))
+            or filename == dynamo_hooks.SELF_TEST_FILE)
 
 
 def _user_frame(frame: Any) -> Any:
@@ -355,9 +351,8 @@ def _user_frame(frame: Any) -> Any:
 
 
 def _is_import_machinery(filename: str) -> bool:
-    return filename.startswith("<frozen importlib") or filename.endswith(
-        os.sep + os.path.join("importlib", "__init__.py")
-    )
+    return (filename.startswith("<frozen importlib")
+            or filename.endswith(os.path.join(os.sep, "importlib", "__init__.py")))
 
 
 def _site_of(frame: Any) -> tuple[SiteKey, str, tuple | None]:
@@ -669,12 +664,7 @@ def _py_user_event(name: str) -> tuple[str, int, str] | None:
     if not m:
         return None
     efile = m.group(1)
-    if (
-        efile.startswith(("torch/", "torchsync_pass/", "<"))
-        or "/torch/" in efile
-        or efile.startswith(_OWN_DIR)
-        or efile.startswith(dynamo_hooks.TORCH_DIR)
-    ):
+    if efile.startswith(("torch/", "torchsync_pass/", "<", _OWN_DIR, dynamo_hooks.TORCH_DIR)) or "/torch/" in efile:
         return None
     return efile, int(m.group(2)), m.group(3)
 

@@ -137,9 +137,7 @@ class _BreakHandler(logging.Handler):
 def _first_para(reason: str) -> str:
     """The informative line of a break reason (Dynamo prefixes a generic 'Encountered ...')."""
     paras = [p.strip() for p in reason.strip().split("\n\n") if p.strip()]
-    for p in paras:
-        if not p.startswith("Encountered graph break when attempting to trace"):
-            return p.splitlines()[0].strip()
+    paras = [p for p in paras if not p.startswith("Encountered graph break when attempting to trace")] or paras
     return paras[0].splitlines()[0].strip() if paras else ""
 
 
