@@ -898,17 +898,26 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
     items = table.items
     if not 0 < len(items) <= MAX_LIST_TABLE:
         return None, ("REWRITE_TABLE", f"{src} has {len(items)} entries (1..{MAX_LIST_TABLE} are rewritten)")
-    metas = set()
-    for item in items:
-        item = item.realize()
-        iex = item.as_proxy().node.meta.get("example_value") if item.is_tensor() else None
-        if not isinstance(iex, torch.Tensor) or not all(isinstance(d, int) for d in iex.shape):
-            return None, ("REWRITE_TABLE", f"{src} holds something other than tensors of static size")
-        metas.add((tuple(iex.shape), iex.dtype, iex.device, tuple(iex.stride()) == _contiguous_strides(iex.shape)))
-    if len(metas) != 1 or not next(iter(metas))[3]:
-        return None, ("REWRITE_TABLE", f"the tensors of {src} differ in shape, dtype or device, or are not contiguous")
-    if next(iter(metas))[2] != ex.device:
-        return None, ("REWRITE_TABLE", f"the tensors of {src} are on {next(iter(metas))[2]}, the index on {ex.device}")
+    # NOTE: checked on the real values before any item is realized (realizing makes each tensor a
+    # graph input with its guards, which a list that is not rewritten must not get), then again on
+    # the traced values
+    for realize in (False, True):
+        metas = set()
+        for item in items:
+            if not realize and not item.is_realized():
+                iex = item.peek_value()
+            else:
+                item = item.realize()
+                iex = item.as_proxy().node.meta.get("example_value") if item.is_tensor() else None
+            if not isinstance(iex, torch.Tensor) or not all(isinstance(d, int) for d in iex.shape):
+                return None, ("REWRITE_TABLE", f"{src} holds something other than tensors of static size")
+            metas.add((tuple(iex.shape), iex.dtype, iex.device,
+                       tuple(iex.stride()) == _contiguous_strides(iex.shape)))
+        meta = next(iter(metas)) if len(metas) == 1 else None
+        if meta is None or not meta[3]:
+            return None, ("REWRITE_TABLE", f"the tensors of {src} differ in shape, dtype or device, or are not contiguous")
+        if meta[2] != ex.device:
+            return None, ("REWRITE_TABLE", f"the tensors of {src} are on {meta[2]}, the index on {ex.device}")
     return table, RewriteUse("list", src, len(items))
 
 
