@@ -12,9 +12,11 @@ and the request is prefilled in chunks, so each step of the loop sees a new chun
 These reads are *not* request-invariant: every step reads different positions and every request
 brings new tokens, so there is nothing to hoist. But each value is used only to index a Python list
 of same-shape tensors, so the host never needs it: nosync traces each read as a gather on the device
-(the list stacked into one tensor, once per request with ``codegen="eager"``, then
-``aten.index`` at the 0-d token), which copies the same bits: 8 syncs per step (one per token) become
-0, in one graph with no break, bitwise equal to eager (see README, "Reads used only as an index").
+(the list stacked into one tensor, then one ``aten.index`` at the chunk's tokens), which copies the
+same bits: 8 syncs per step (one per token) become 0, in one graph with no break, bitwise equal to
+eager (see README, "Reads used only as an index"). On a CPU, where a host read costs about a
+microsecond, the list's 64 tensors as graph inputs cost more than the reads; the ``long-tensor``
+size (the table as one tensor) is where the compiled step wins there (README, "Results").
 ``make_vectorized_model`` is the same model with the gather written by hand
 (``torch.stack(self.table)[tokens]``): stock Inductor on it is the exact reference of nosync with
 Inductor.

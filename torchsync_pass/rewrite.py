@@ -35,10 +35,11 @@ is the policy and the records:
   counted in ``counters["nosync"]`` under the action's name, logged under ``TORCH_LOGS=nosync`` and
   in ``TORCH_TRACE`` (artifact ``nosync_decision``).
 
-The stacked list of the list form is a pure function of the list's tensors: with either codegen
-it is cached once per request by :mod:`torchsync_pass.invariant` (its memo keys
-each tensor by identity, ``_version`` and metadata; Dynamo's own guards cover the list's length), so a
-list whose element is replaced, written in place or appended gives the new answer.
+The stacked list of the list form is a pure function of the list's tensors: for rows of at least
+``CACHE_MIN_ROW_BYTES`` it is cached once per request by :mod:`torchsync_pass.invariant`, with
+either codegen (its memo keys each tensor by identity, ``_version`` and metadata; Dynamo's own
+guards cover the list's length), so a list whose element is replaced, written in place or appended
+gives the new answer.
 """
 
 from __future__ import annotations
