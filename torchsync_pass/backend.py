@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import _torch_private, cone, dynamo_hooks, guards, inop, rewrite
-from .invariant import DEFAULT_CACHE_BYTES, cache_invariant
+from .invariant import cache_invariant
 from .errors import NosyncError, NosyncOptionsError
 from .report import DECISIONS, Action, Reason
 
@@ -43,7 +43,7 @@ class Options:
     max_specializations: int = 4
     strict: bool = False
     cudagraphs: bool = False
-    invariant_cache_bytes: int = DEFAULT_CACHE_BYTES
+    invariant_cache_bytes: Optional[int] = None  # None: DEFAULT_CACHE_BYTES with codegen="eager", 0 (off) with Inductor
 
     @classmethod
     def from_dict(cls, options: Optional[dict]) -> "Options":
@@ -93,6 +93,8 @@ def _check(name: str, value: Any) -> Any:
             raise bad("an int >= 1")
         return value
     if name == "invariant_cache_bytes":
+        if value is None:
+            return value
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise bad("an int >= 0 (bytes; 0 turns invariant caching off)")
         return value
