@@ -36,8 +36,9 @@ is the policy and the records:
   in ``TORCH_TRACE`` (artifact ``nosync_decision``).
 
 The stacked list of the list form is a pure function of the list's tensors: for rows of at least
-``CACHE_MIN_ROW_BYTES`` it is cached once per request by :mod:`torchsync_pass.invariant`, with
-either codegen (its memo keys each tensor by identity, ``_version`` and metadata; Dynamo's own
+``CACHE_MIN_ROW_BYTES`` it is cached once per request by :mod:`torchsync_pass.invariant` (by
+default with codegen="eager", under Inductor when invariant_cache_bytes is set; its memo keys each
+tensor by identity, ``_version`` and metadata; Dynamo's own
 guards cover the list's length), so a list whose element is replaced, written in place or appended
 gives the new answer.
 """
