@@ -318,3 +318,20 @@ def test_inductor_keeps_the_op_and_says_why():
     with torchsync_pass.count_syncs() as c:
         f(s, torch.ones(4))
     assert c.by_kind.get("in_op") == 3  # kept: the op syncs inside, as under stock Inductor
+
+
+def test_table_of_an_inference_mode_request_is_not_served_to_grad_mode():
+    """Values computed under inference_mode are inference tensors: a later grad-mode call of the
+    same request must not get them (autograd cannot save them for backward): one table per mode."""
+    f, s, ref = nosync(), Sched(), Sched()
+    x = torch.randn(4, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for _ in range(3):
+            assert_bitwise(f(s, x), corrector(ref, x))
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, want = f(s, xg), corrector(ref, xr)
+    assert_bitwise(out, want)
+    out.sum().backward()
+    want.sum().backward()
+    assert_bitwise(xg.grad, xr.grad)
+    assert tabulated()

@@ -356,3 +356,89 @@ def test_explain_marks_the_rewritten_site(tmp_path, capsys):
     assert explain.main([str(script)]) == 0
     text = capsys.readouterr().out
     assert "[nosync: rewritten" in text and "used only as an index into a Python list" in text
+
+
+# --- autograd and the gather of a span (found by review: each failed before its fix) ---
+
+
+def _params(n=5, dim=4):
+    g = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(dim, generator=g)) for _ in range(n)]
+
+
+def test_rows_autograd_records_keep_their_sync():
+    """With grad on, a gathered row would have other gradients than eager's row: a list's stack
+    hands zeros to parameters the step never read (an optimizer with weight decay then moves them),
+    and a saved copy misses an in-place write that eager's saved view reports. Kept, as stock."""
+    x = torch.randn(4, generator=torch.Generator().manual_seed(1))
+
+    def step(ps, t, x):
+        return (ps[t.item()] * x).sum()
+
+    f = torch.compile(step, backend=NosyncBackend({"codegen": "eager"}))
+    ps, ref = _params(), _params()
+    for k in (2, 3, 2):
+        f(ps, torch.tensor(k), x).backward()
+        step(ref, torch.tensor(k), x).backward()
+    for p, r in zip(ps, ref):
+        assert (p.grad is None) == (r.grad is None)
+        if r.grad is not None:
+            assert_bitwise(p.grad, r.grad)
+    (kept,) = {d.detail for d in decisions(Action.KEPT)}
+    assert "autograd records this graph" in kept
+    assert not decisions(Action.REWRITTEN)
+
+    W = torch.randn(6, 4)
+    xg = x.clone().requires_grad_()
+
+    def saved(W, t, x):
+        return (W[t.item()] * x).sum()
+
+    out = torch.compile(saved, backend=NosyncBackend({"codegen": "eager"}))(W, torch.tensor(1), xg)
+    W.add_(1)  # eager's saved row is a view of W: backward must notice the write
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_list_with_a_tensor_that_requires_grad_keeps_its_sync():
+    """Under no_grad eager's row of a list is the tensor itself (it requires grad); a stacked copy
+    does not: the graph that uses it inside enable_grad would lose the gradient."""
+    x = torch.randn(4)
+
+    def step(ps, t, x):
+        with torch.no_grad():
+            r = ps[t.item()]
+        return (r * x).sum()
+
+    f = torch.compile(step, backend=NosyncBackend({"codegen": "eager"}))
+    ps = _params()
+    out = f(ps, torch.tensor(3), x)
+    assert out.requires_grad and out.requires_grad == step(ps, torch.tensor(3), x).requires_grad
+    assert not decisions(Action.REWRITTEN)
+
+
+def test_span_is_not_gathered_across_a_write():
+    """fuse_gathers reads the whole span where the stack stands: a write between the first read
+    and the stack (the token tensor itself, or any side effect before an out-of-range row) keeps the
+    single-row gathers, which read each token when eager does."""
+    W = torch.arange(40.0).view(10, 4)
+
+    def consume(tokens, counter):
+        rows = []
+        for i in range(tokens.shape[0]):
+            rows.append(W[tokens[i].item()])
+            tokens[i] = 0  # mark position i consumed
+            counter.add_(1)
+        return torch.stack(rows)
+
+    f, _ = compiled(consume)
+    tokens, counter = torch.tensor([3, 5, 7, 9]), torch.zeros(())
+    got = f(tokens.clone(), counter)
+    assert_bitwise(got, consume(tokens.clone(), torch.zeros(())))
+    assert decisions(Action.REWRITTEN)
+    bad, c_eager, c_nosync = torch.tensor([3, 70, 7, 9]), torch.zeros(()), torch.zeros(())
+    with pytest.raises(IndexError):
+        consume(bad.clone(), c_eager)
+    with pytest.raises(IndexError):
+        f(bad.clone(), c_nosync)
+    assert c_nosync.item() == c_eager.item() == 1.0

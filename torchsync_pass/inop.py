@@ -221,7 +221,9 @@ class TabulatedOp:
                 return False, None
         if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
             return False, None  # a cached value would carry one call's autograd graph
-        bits = bits_state()
+        # NOTE: values computed under inference_mode are inference tensors (autograd refuses to save
+        # them), and grad mode decides what a value carries: one table per mode, as per bits state.
+        bits = (bits_state(), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         memo = shared.memos.get(bits)
         if memo is None:
             memo = shared.memos[bits] = ConeMemo(self.declared, MEMO_SIZE)

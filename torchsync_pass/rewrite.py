@@ -154,6 +154,10 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
     output = next(iter(graph.find_nodes(op="output")))
     returned = {cone._storage_key(cone._example(o)) for o in cone._nodes_in(output.args)}
     writes = [(order[n], cone._storage_key(cone._example(w))) for n in graph.nodes for w in cone.written_nodes(n)]
+    # Autograd sees the copy: a gather's backward is not a select's (index_put accumulates: other
+    # bits, -0.0 becomes 0.0), a saved copy misses a later in-place write that eager's saved view
+    # reports, and a list's stack hands gradients (zeros) to tensors eager never read.
+    recorded = next((n for n in graph.nodes if n.op != "placeholder" and _requires_grad(n)), None)
     for row in rows:
         use = _use(row)
         assert use is not None
@@ -174,6 +178,10 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
             problem = "the row (or a view of it) is written in place"
         elif any(i > since and k in table_keys for i, k in writes):
             problem = "the table is written in place after the read" + (" (or after its stack)" if stacked else "")
+        elif recorded is not None:
+            problem = f"autograd records this graph ({recorded.name} requires grad): a gathered row has other gradients"
+        elif stacked and any(_requires_grad(t) for t in tables):
+            problem = "a tensor of the list requires grad: eager's row is that tensor itself"
         if problem is not None:
             with _lock:
                 _kept[use.site_key] = problem
@@ -188,6 +196,11 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
         _record(use, Action.REWRITTEN, reason,
                 f"{dotted(use.table)}, {use.length} entries; {len(uses)} read(s) in this graph", compile_id)
     fuse_gathers(gm)
+
+
+def _requires_grad(n: torch.fx.Node) -> bool:
+    ex = cone._example(n)
+    return isinstance(ex, torch.Tensor) and ex.requires_grad
 
 
 def fuse_gathers(gm: torch.fx.GraphModule) -> int:
@@ -219,6 +232,13 @@ def fuse_gathers(gm: torch.fx.GraphModule) -> int:
                 or tuple(ex.shape) != (len(rows),) or any(r.args[0] is not table for r in rows)
                 or any(i.op != "call_function" or i.target is not operator.getitem or i.args != (span, k)
                        for k, i in enumerate(idx))):
+            continue
+        # The gather reads the whole span where the stack stands: nothing in between may write (the
+        # span, or anything: eager's side effects before an out-of-range row must stay as they are).
+        nodes = list(graph.nodes)
+        between = nodes[min(nodes.index(i) for i in idx):nodes.index(st)]
+        if any(cone.written_nodes(n) or (n.op == "call_function" and n not in rows and n not in idx
+                                          and cone._impure_reason(n) is not None) for n in between):
             continue
         with graph.inserting_before(st):
             whole = graph.call_function(torch.ops.aten.index.Tensor, (table, [span]))
