@@ -69,7 +69,17 @@ def tabulated():
     return [d for d in torchsync_pass.decisions() if d.action is Action.TABULATED]
 
 
+def skip_unless_in_op_syncs_are_counted():
+    """count_syncs sees a sync inside an op through the profiler; on the torch 2.11.0+cu130 wheel
+    without a GPU it reads 0 there (README, Counting syncs)."""
+    with torchsync_pass.count_syncs() as c:
+        torch.linalg.solve(torch.eye(2), torch.ones(2))
+    if c.total == 0:
+        pytest.skip("count_syncs sees no sync inside ops on this torch build")
+
+
 def test_solve_tabulated_no_steady_sync_bitwise():
+    skip_unless_in_op_syncs_are_counted()
     x = torch.randn(4, generator=torch.Generator().manual_seed(0))
     f = nosync()
     eager_syncs = run(corrector, Sched(), 8, x)[1]
@@ -184,6 +194,7 @@ def returns_solution(s, x):
 
 
 def test_returned_result_is_kept_with_reason():
+    skip_unless_in_op_syncs_are_counted()
     f = torch.compile(returns_solution, backend=NosyncBackend({"codegen": "eager"}))
     s, e = Sched(), Sched()
     for _ in range(4):
