@@ -61,6 +61,7 @@ place or returns (the caller could write the cached tensor); a cone with a step-
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -72,7 +73,7 @@ from torch import fx
 from . import cone, dynamo_hooks
 from .guards import MEMO_SIZE, ConeMemo, _trace_structured, bits_state, counters
 from .report import DECISIONS, Action, Decision, Reason, SiteKey
-from .tables import MAX_TABLE_LEN, TableTooLarge, _int_value, _only_indexes, _SIZE_SOURCES
+from .tables import TableTooLarge, _int_value, _only_indexes, _SIZE_SOURCES, index_range
 
 log = logging.getLogger(__name__)
 
@@ -189,12 +190,7 @@ class TabulatedOp:
         return self.module.forward(*args)
 
     def _compute(self, leaves: tuple) -> Table:
-        if self.module_index_pos is None:
-            n = 1
-        else:
-            n = max((max(t.shape, default=1) for t in leaves), default=0)
-            if n > MAX_TABLE_LEN:
-                raise TableTooLarge(f"a table dimension has {n} entries > {MAX_TABLE_LEN}")
+        n = 1 if self.module_index_pos is None else index_range(leaves)
         if self.batch is not None and n > 1:
             return self.batch.compute(self, leaves, n)
         values: list = [None] * n
@@ -250,13 +246,10 @@ class TabulatedOp:
 
     def _demote(self) -> None:
         self.shared.demoted = True
-        d = self.decision
-        _record(Decision(
-            site=d.site, kind="in_op", action=Action.DEMOTED, reason=Reason.LEAVES_CHANGE, code=d.code,
-            source=d.source, detail=f"{STALE_TABLES} tables in a row were computed and never read: "
-                                    "the original op runs from now on", leaves=d.leaves,
-            compile_id=d.compile_id,
-        ))
+        _record(dataclasses.replace(
+            self.decision, action=Action.DEMOTED, reason=Reason.LEAVES_CHANGE,
+            detail=f"{STALE_TABLES} tables in a row were computed and never read: the original op runs "
+                   "from now on"))
 
 
 class _Batch:

@@ -350,15 +350,6 @@ class InvariantRunner:
         self.same = _same_call_fn(len(leaf_index), declared) if leaf_index else _no_leaves
         self.last: Optional[tuple] = None  # (grad mode, refs, fingerprints, values)
 
-    def values(self, args: tuple) -> tuple:
-        leaves = tuple([args[i] for i in self.leaf_index])
-        grad = torch.is_grad_enabled()
-        last = self.last
-        if last is not None and last[0] is grad and self.same(last[1], last[2], leaves):
-            counters()["invariant_hits"] += 1
-            return last[3]
-        return self._lookup(leaves, grad)
-
     def _lookup(self, leaves: tuple, grad: bool) -> tuple:
         if any(t.is_inference() for t in leaves):
             # NOTE: declared inference tensors have no _version; the identity-only memo would be the
@@ -377,7 +368,7 @@ class InvariantRunner:
         return e.value
 
     def __call__(self, *args: Any) -> Any:
-        # NOTE: values() inlined: this runs at every step
+        # NOTE: the hot path: this runs at every step
         leaves = tuple([args[i] for i in self.leaf_index])
         grad = torch.is_grad_enabled()
         last = self.last

@@ -53,7 +53,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import _torch_private, cone, dynamo_hooks
+from . import _torch_private, cone, dynamo_hooks, guards
 from .report import DECISIONS, Action, Decision, Reason, SiteKey
 
 log = logging.getLogger(__name__)
@@ -86,12 +86,7 @@ def _record(use_or_site: Any, action: Action, reason: Reason, detail: str, compi
     DECISIONS.add(d)
     _torch_private.nosync_counters()[action.value] += 1
     log.info("nosync: %s %s: %s: %s (%s)", action.value, d.site, d.source, reason.value, detail)
-    try:
-        import json
-
-        _torch_private.trace_artifact("nosync_decision", lambda: json.dumps(d.to_json()))
-    except Exception:  # structured tracing is best effort
-        log.debug("nosync: trace_structured failed", exc_info=True)
+    guards._trace_structured(d)
 
 
 def _with_site(use: dynamo_hooks.RewriteUse, site: dynamo_hooks.SyncSite) -> dynamo_hooks.RewriteUse:
@@ -214,6 +209,7 @@ def fuse_gathers(gm: torch.fx.GraphModule) -> int:
     """
     graph = gm.graph
     fused = 0
+    order: Optional[dict] = None  # node positions, taken once (no node moves before the stack)
     for st in list(graph.nodes):
         if st.op != "call_function" or st.target is not torch.stack or _use(st) is not None:
             continue
@@ -235,8 +231,10 @@ def fuse_gathers(gm: torch.fx.GraphModule) -> int:
             continue
         # The gather reads the whole span where the stack stands: nothing in between may write (the
         # span, or anything: eager's side effects before an out-of-range row must stay as they are).
-        nodes = list(graph.nodes)
-        between = nodes[min(nodes.index(i) for i in idx):nodes.index(st)]
+        if order is None:
+            nodes = list(graph.nodes)
+            order = {n: k for k, n in enumerate(nodes)}
+        between = nodes[min(order[i] for i in idx):order[st]]
         if any(cone.written_nodes(n) or (n.op == "call_function" and n not in rows and n not in idx
                                           and cone._impure_reason(n) is not None) for n in between):
             continue
@@ -251,6 +249,7 @@ def fuse_gathers(gm: torch.fx.GraphModule) -> int:
             if not i.users:
                 graph.erase_node(i)
         fused += 1
+        order = None  # nodes were erased and one inserted: take positions again if needed
     if fused:
         graph.lint()
         gm.recompile()
