@@ -412,9 +412,14 @@ def test_cone_decision_and_eager_result(fn, action, reason, detail):
     first = records[0]
     assert (first.action, first.reason) == (action, reason)
     assert detail in first.detail
-    assert {d.action for d in records} == {action}
+    actions = {d.action for d in records}
+    if fn in (c_rand, c_slice_zero):  # not hoisted: the branch between x * 2 and x - 1 is selected on the device
+        assert Action.REWRITTEN in actions and counters["nosync"]["rewritten"] >= 1
+        actions.discard(Action.REWRITTEN)
+    assert actions == {action}
     if action is Action.REJECTED:
-        assert counters["nosync"]["rejected"] == len(records) and counters["nosync"]["hoisted"] == 0
+        rejected = [d for d in records if d.action is Action.REJECTED]
+        assert counters["nosync"]["rejected"] == len(rejected) and counters["nosync"]["hoisted"] == 0
 
 
 def test_custom_op_without_fake_fails_exactly_like_stock():

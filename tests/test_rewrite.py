@@ -340,17 +340,26 @@ for s in range(3):
 """
 
 
-def test_explain_marks_the_rewritten_site(tmp_path, capsys):
+def explain_site(tmp_path, capsys, text: str, marker: str) -> tuple[dict, dict]:
+    """Run explain --json on ``text`` saved as a script: (the report, the row of the line marked)."""
     import json
 
     from torchsync_pass import explain
 
-    script = tmp_path / "lookup.py"
-    script.write_text(EXPLAIN_SCRIPT)
-    line = next(i for i, t in enumerate(EXPLAIN_SCRIPT.splitlines(), 1) if "# READ" in t)
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if marker in t)
     assert explain.main(["--json", str(script)]) == 0
     rep = json.loads(capsys.readouterr().out)
     (row,) = [s for s in rep["sites"] if s["line"] == line]
+    return rep, row
+
+
+def test_explain_marks_the_rewritten_site(tmp_path, capsys):
+    from torchsync_pass import explain
+
+    rep, row = explain_site(tmp_path, capsys, EXPLAIN_SCRIPT, "# READ")
+    script = tmp_path / "script.py"
     assert row["nosync"]["action"] == "rewritten" and row["nosync"]["reason"] == "INDEX_LIST"
     assert row["count"] == 0 and rep["totals"]["syncs"] == 0
     assert explain.main([str(script)]) == 0

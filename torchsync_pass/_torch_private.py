@@ -31,6 +31,7 @@ private name                                                     used by
                                                                  :func:`is_op_packet`
 ``torch._ops.HigherOrderOperator``                               :func:`is_higher_order_op`
 ``untyped_storage()._cdata``                                     :func:`storage_id`
+``Tensor._is_view``                                              :func:`is_view`
 ``node.meta["example_value"]`` (Dynamo's traced value)           :func:`example_value`
 ``profile.kineto_results``                                       :func:`profiler_events`
 ``torch._dynamo.utils.counters["nosync"]``                       :func:`nosync_counters`
@@ -209,6 +210,10 @@ def is_higher_order_op(t: Any) -> bool:
 def storage_id(t: torch.Tensor) -> int:
     """An id of the storage behind ``t``, equal for views of the same storage."""
     return t.untyped_storage()._cdata
+
+
+def is_view(t: torch.Tensor) -> bool:
+    return bool(t._is_view())
 
 
 def example_value(node: torch.fx.Node) -> Any:

@@ -43,6 +43,7 @@ import threading
 import types
 import warnings
 import weakref
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn, Optional
 
@@ -980,6 +981,308 @@ def _try_rewrite(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
     return row, None
 
 
+# --------------------------------------------------------------------------------------------
+# Device-side rewrites (issue 13): a step-varying branch that only chooses between tensors
+# --------------------------------------------------------------------------------------------
+# NOTE [Rewriting a branch as a select]: ``row = A if t == PAD else B`` (or the same as an if/else
+# statement) reads ``t`` to the host to pick an arm. When nosync does not hoist the test (its value
+# changes from step to step), the jump hook traces *both* arms from the state at the jump, up to the
+# join: the instruction from which the two arms run the same code (in 3.11 the target of the first
+# arm's JUMP_FORWARD; in 3.12+ the start of the tails the compiler duplicated into each arm). Each
+# value that then differs between the two states (on the stack or in a local) becomes
+# ``torch.where(t, a, b)``, which copies the bits of the arm eager takes; tracing goes on at the join,
+# once, on the merged values. This is done only when
+# - each arm is straight-line code of loads, calls and operators (no jump, return, raise, ``with``,
+#   or store other than to a local) and traces no Python side effect (Dynamo's check of each
+#   mutation is trapped while an arm is traced);
+# - each differing value is a tensor in both arms, of one shape, dtype and device, contiguous (the
+#   select's result has eager's strides) and not requiring grad;
+# - every op the arms trace is one the policy (:meth:`rewrite.Rewriter.branch_plan`) shows cannot
+#   raise or change state because of the values it reads, since the arm eager skips runs too; an
+#   index op's index is masked to 0 when its arm is not taken (``emb(t)`` of a PAD id of -1 must not
+#   raise when eager took the other arm), and the taken arm's index is the index eager uses;
+# - the code after the join (in the function and its callers) compares nothing by identity (``is``)
+#   but with a constant: the merged tensor is a copy, not the arm's object.
+# A refusal found once an arm was traced marks the site and traces the frame again (restart), where
+# the site keeps its sync: the translator's state is never restored by hand. The graph-level checks
+# (the selected tensor written in place or returned, an arm's tensor written after the select,
+# autograd recording the graph) are :func:`rewrite.check_graph`'s, as for a rewritten index read.
+_ARM_OPS = frozenset({
+    "NOP", "CACHE", "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST", "LOAD_CONST", "LOAD_SMALL_INT",
+    "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_ATTR", "LOAD_METHOD", "BINARY_SUBSCR", "BINARY_SLICE", "BINARY_OP",
+    "UNARY_NEGATIVE", "UNARY_NOT", "UNARY_INVERT", "COMPARE_OP", "PRECALL", "CALL", "CALL_KW", "KW_NAMES",
+    "PUSH_NULL", "COPY", "SWAP", "BUILD_TUPLE", "BUILD_SLICE", "STORE_FAST", "STORE_FAST_LOAD_FAST",
+    "STORE_FAST_STORE_FAST", "POP_TOP", "TO_BOOL", "JUMP_FORWARD",
+})
+_RUN_ENDS = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE", "JUMP_BACKWARD",
+                       "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"})
+MAX_BRANCH_RUN = 512  # instructions followed from each arm's start to find the join
+
+
+class BranchRefused(Exception):
+    """An arm cannot be selected on the device: ``reason`` (a Reason name) and ``detail``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+def _run_from(tx: Any, start: int) -> Optional[list]:
+    """The instructions executed from ``start`` up to a return, raise, backward or conditional jump
+    (followed through forward jumps); None when longer than MAX_BRANCH_RUN."""
+    insts, out, i = tx.instructions, [], start
+    while i < len(insts) and len(out) < MAX_BRANCH_RUN:
+        inst = insts[i]
+        out.append(inst)
+        if inst.opname in _RUN_ENDS:
+            return out
+        if inst.opname == "JUMP_FORWARD":
+            i = tx.indexof[inst.target]
+        elif inst.target is not None:
+            return out  # a conditional jump (or a loop's FOR_ITER) ends the run
+        else:
+            i += 1
+    return None
+
+
+def _same_inst(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if a.opname != b.opname:
+        return False
+    if a.target is not None or b.target is not None:
+        return a.target is b.target
+    try:
+        return a.arg == b.arg and type(a.argval) is type(b.argval) and bool(a.argval == b.argval)
+    except Exception:
+        return False
+
+
+def _branch_arms(tx: Any, inst: Any) -> tuple[list, list, Any]:
+    """(the first arm's own instructions, the second's, the join) of the branch at ``inst``."""
+    runs = [_run_from(tx, tx.instruction_pointer), _run_from(tx, tx.indexof[inst.target])]
+    if runs[0] is None or runs[1] is None:
+        raise BranchRefused("BRANCH_FORM", f"an arm runs more than {MAX_BRANCH_RUN} instructions before the join")
+    a, b = runs
+    k = 0
+    while k < min(len(a), len(b)) and _same_inst(a[-1 - k], b[-1 - k]):
+        k += 1
+    if k == 0:
+        raise BranchRefused("BRANCH_FORM", "the arms never join (each returns, raises or loops on its own)")
+    join = a[len(a) - k]
+    cores = [[i for i in run[: len(run) - k] if i.opname != "JUMP_FORWARD"] for run in (a, b)]
+    for i in cores[0] + cores[1]:
+        if i.opname not in _ARM_OPS:
+            raise BranchRefused("BRANCH_FORM", f"an arm has a {i.opname} instruction (only loads, calls, operators "
+                                "and stores to locals are traced in both arms)")
+    for core in cores:
+        if core and core[-1].opname in ("KW_NAMES", "PUSH_NULL", "PRECALL"):
+            raise BranchRefused("BRANCH_FORM", "the arms join inside a call")
+    return cores[0], cores[1], join
+
+
+def _compares_identity(tx: Any) -> bool:
+    """Does the function, or a caller, use ``is`` other than against a constant (``x is None``)?
+    (Anywhere in it: a loop runs the code before the branch after it too.)"""
+    t = tx
+    while t is not None:
+        insts = t.instructions
+        for k, inst in enumerate(insts):
+            if inst.opname == "IS_OP" and not any(j >= 0 and insts[j].opname == "LOAD_CONST" for j in (k - 1, k - 2)):
+                return True
+        t = getattr(t, "parent", None)
+    return False
+
+
+def _trace_arm(tx: Any, core: list, stack: list, local_vars: dict) -> tuple[list, dict, list]:
+    """Trace ``core`` from the given state; (stack, locals, FX nodes it appended)."""
+    tx.stack[:] = stack
+    tx.symbolic_locals.clear()
+    tx.symbolic_locals.update(local_vars)
+    graph = tx.output.graph
+    last = next(iter(reversed(graph.nodes)))
+    j = 0
+    while j < len(core):
+        inst = core[j]
+        ip = tx.indexof[inst]
+        tx.current_instruction, tx.instruction_pointer = inst, ip + 1
+        if getattr(inst, "starts_line", None):
+            tx.starts_line(inst.starts_line)
+        tx.dispatch_table[inst.opcode](tx, inst)
+        j += 1
+        if tx.instruction_pointer == ip + 2 and j < len(core) and tx.indexof[core[j]] == ip + 1:
+            j += 1  # a read rewritten as an index consumed its BINARY_SUBSCR (Note [Rewriting a read ...])
+        elif tx.instruction_pointer != ip + 1:
+            raise BranchRefused("BRANCH_FORM", f"{inst.opname} in an arm changed the control flow")
+    nodes, n = [], last.next
+    while n is not last and n.op != "root":
+        nodes.append(n)
+        n = n.next
+    return list(tx.stack), dict(tx.symbolic_locals), nodes
+
+
+def _recorded_effects(side_effects: Any) -> tuple:
+    """The attribute writes and hooks Dynamo has recorded (some skip its side-effect check)."""
+    return ({k: dict(v) for k, v in side_effects.store_attr_mutations.items()}, dict(side_effects.tensor_hooks))
+
+
+def _refuse_side_effect(item: Any) -> "NoReturn":
+    raise BranchRefused("BRANCH_SIDE_EFFECT", f"an arm mutates {item.python_type_name()} "
+                        "(the arm eager skips would run too)")
+
+
+def _select_values(tx: Any, a: Any, b: Any, where: str) -> None:
+    """Check that the arms' differing values ``a``, ``b`` can be selected bitwise."""
+    if not (a.is_tensor() and b.is_tensor()):
+        raise BranchRefused("BRANCH_VALUES", f"{where} is a {a.python_type_name()} in one arm and a "
+                            f"{b.python_type_name()} in the other (only tensors are selected on the device)")
+    ea, eb = (v.as_proxy().node.meta.get("example_value") for v in (a, b))
+    if not (isinstance(ea, torch.Tensor) and isinstance(eb, torch.Tensor)):
+        raise BranchRefused("BRANCH_VALUES", f"{where} has no traced value")
+    if not all(isinstance(d, int) for d in tuple(ea.shape) + tuple(eb.shape)):
+        raise BranchRefused("BRANCH_VALUES", f"{where} has symbolic sizes")
+    if (tuple(ea.shape), ea.dtype, ea.device) != (tuple(eb.shape), eb.dtype, eb.device):
+        raise BranchRefused("BRANCH_VALUES", f"{where} differs in shape, dtype or device between the arms "
+                            f"({tuple(ea.shape)} {ea.dtype} {ea.device} / {tuple(eb.shape)} {eb.dtype} {eb.device})")
+    if tuple(ea.stride()) != _contiguous_strides(ea.shape) or tuple(eb.stride()) != _contiguous_strides(eb.shape):
+        raise BranchRefused("BRANCH_VALUES", f"{where} is not contiguous in an arm (the select's result would "
+                            "have other strides than eager's)")
+    if ea.requires_grad or eb.requires_grad:
+        raise BranchRefused("BRANCH_VALUES", f"{where} requires grad (the select would send gradients "
+                            "to the arm eager skips)")
+
+
+def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Optional[SyncSite]) -> bool:
+    """Trace the jump at ``inst`` on a step-varying tensor test as a select between its arms (see
+    Note [Rewriting a branch as a select]). True when done: the test is popped and the translator
+    stands at the join with the merged state. False: the jump takes the ordinary path."""
+    if _rewriter is None or site is None or push or getattr(_state, "in_stock", False):
+        return False
+    value = tx.stack[-1]
+    ex = value.as_proxy().node.meta.get("example_value")
+    if (not isinstance(ex, torch.Tensor) or not all(isinstance(d, int) for d in ex.shape) or ex.numel() != 1
+            or _user_translator(tx) is not tx or tx.output.current_tracer is not tx.output.root_tracer):
+        return False
+    if any(tx.instructions[i].opname == "LOAD_ASSERTION_ERROR" for i in (tx.instruction_pointer, tx.indexof[inst.target])):
+        return False  # ``assert t``: stock Dynamo traces it as torch._assert_async, no sync
+    use = RewriteUse("branch", "", 0)
+    try:
+        arm_a, arm_b, join = _branch_arms(tx, inst)
+        if _compares_identity(tx):
+            raise BranchRefused("BRANCH_IDENTITY", "the function or a caller compares objects with `is` (the "
+                                "selected tensor is a copy, not the arm's object)")
+    except BranchRefused as e:
+        _rewriter.refuse_branch(site, e.reason, e.detail)
+        return False
+    use = _rewriter.allow(site, use)
+    if use is None:
+        return False  # refused before (recorded then)
+    from torch._dynamo.variables.builder import wrap_fx_proxy
+
+    out = tx.output
+
+    def op(target: Any, *args: Any) -> Any:
+        return wrap_fx_proxy(tx, out.create_proxy("call_function", target, args, {}))
+
+    tx.pop()
+    cond = value
+    if ex.dtype != torch.bool:
+        cond = op(torch.ne, cond.as_proxy(), 0)  # truthiness: nonzero (NaN is true, as in bool())
+    if ex.dim() != 0:
+        cond = op(torch.reshape, cond.as_proxy(), ())
+    fall_when_true = not truth_fn(True)  # POP_JUMP_IF_FALSE falls through to the arm of a true test
+    stack0, locals0 = list(tx.stack), dict(tx.symbolic_locals)
+    side_effects = out.side_effects
+    effects = _recorded_effects(side_effects)
+    side_effects.check_allowed_side_effect = _refuse_side_effect
+    try:
+        arms = []
+        for core in (arm_a, arm_b):
+            arms.append(_trace_arm(tx, core, stack0, locals0))
+            if _recorded_effects(side_effects) != effects:
+                raise BranchRefused("BRANCH_SIDE_EFFECT", "an arm sets an attribute or registers a hook "
+                                    "(the arm eager skips would run too)")
+        (stack_a, locals_a, nodes_a), (stack_b, locals_b, nodes_b) = arms
+        if len(stack_a) != len(stack_b) or locals_a.keys() != locals_b.keys():
+            raise BranchRefused("BRANCH_FORM", "the arms leave different stacks or locals")
+        pairs = [(f"stack item {k}", stack_a, stack_b, k) for k in range(len(stack_a))]
+        pairs += [(f"local {name!r}", locals_a, locals_b, name) for name in locals_a]
+        merged = []
+        for where, sa, sb, k in pairs:
+            a, b = sa[k], sb[k]
+            if a is b or (not (a.is_tensor() and b.is_tensor()) and _equivalent(a, b)):
+                continue
+            _select_values(tx, a, b, where)
+            merged.append((sa, k, a, b))
+        masks = _rewriter.branch_plan(nodes_a, nodes_b)
+        # the index of an index op in an arm eager may skip: 0 (in range) unless its arm is taken
+        taken = {True: cond, False: None}
+        graph = out.graph
+        for arm_nodes, arm_true in ((nodes_a, fall_when_true), (nodes_b, not fall_when_true)):
+            for node, index in masks:
+                if node not in arm_nodes:
+                    continue
+                if taken[arm_true] is None:
+                    with graph.inserting_after(cond.as_proxy().node):
+                        taken[arm_true] = op(torch.logical_not, cond.as_proxy())
+                with graph.inserting_before(node):
+                    safe = op(torch.where, taken[arm_true].as_proxy(), torch.fx.Proxy(index, out.current_tracer), 0)
+                node.replace_input_with(index, safe.as_proxy().node)
+        for sa, k, a, b in merged:
+            va, vb = (a, b) if fall_when_true else (b, a)
+            sel = op(torch.where, cond.as_proxy(), va.as_proxy(), vb.as_proxy())
+            sel.as_proxy().node.meta[REWRITE_META] = dataclasses.replace(use, length=len(merged))
+            sa[k] = sel
+    except Exception as e:
+        from torch._dynamo.exc import RestartAnalysis
+
+        if isinstance(e, RestartAnalysis):
+            raise
+        if not isinstance(e, BranchRefused):
+            e = BranchRefused("BRANCH_FORM", f"tracing an arm failed ({type(e).__name__}: {e})")
+        _rewriter.refuse_branch(site, e.reason, e.detail)
+        restart_analysis(f"nosync: {site.file}:{site.line}: {e.detail}; keeping the sync")
+    finally:
+        if side_effects.__dict__.get("check_allowed_side_effect") is _refuse_side_effect:
+            del side_effects.check_allowed_side_effect
+    tx.stack[:] = stack_a
+    tx.symbolic_locals.clear()
+    tx.symbolic_locals.update(locals_a)
+    tx.instruction_pointer = tx.indexof[join]
+    return True
+
+
+_PLAIN = (str, int, float, bool, complex, type(None), torch.dtype, torch.device)
+_WHERE_MADE = ("source_location",)  # a variable's record of the line that made it, not its value
+
+
+def _equivalent(a: Any, b: Any, depth: int = 0) -> bool:
+    """Are two variables the arms built the same thing (a constant, a bound method of one object,
+    a function loaded twice)? Field by field: the same objects, equal plain values or sources, or
+    equivalent variables; tensors never (two proxies are two values)."""
+    from torch._dynamo.source import Source
+    from torch._dynamo.variables.base import VariableTracker
+
+    if a is b:
+        return True
+    if depth > 3 or type(a) is not type(b):
+        return False
+    if isinstance(a, VariableTracker):
+        if a.is_tensor():
+            return False
+        da, db = vars(a), vars(b)
+        return da.keys() == db.keys() and all(_equivalent(da[k], db[k], depth + 1) for k in da
+                                              if k not in _WHERE_MADE)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equivalent(x, y, depth + 1) for x, y in zip(a, b))
+    if isinstance(a, _PLAIN) or isinstance(a, Source):
+        try:
+            return bool(a == b)
+        except Exception:
+            return False
+    return False
+
+
 class _RestartForRewrite(Exception):
     pass
 
@@ -1031,6 +1334,10 @@ def _make_jump_hook(original: Callable) -> Callable:
         if value is not None and getattr(value, "is_tensor", lambda: False)():
             ok, decided, site = _ask_policy(self, value.realize(), JUMP_KIND)
             if not ok:
+                # >>> device-side rewrite hook point (issue 13): Note [Rewriting a branch as a select]
+                if _try_branch(self, inst, truth_fn, push, site):
+                    return None
+                # <<<
                 return _stock(site, decided, lambda: original(self, inst))
             # Hoist the *decision*: keep the tested tensor itself on the stack when the
             # instruction leaves it there (JUMP_IF_*_OR_POP: `c = a.any() or b`).

@@ -102,6 +102,16 @@ class Reason(enum.Enum):
         "used only as an index into a Python list of same-shape tensors: the stacked list is gathered "
         "on the device (aten.index), no host read"
     )
+    BRANCH_WHERE = (
+        "a step-varying test that only chooses between tensors: both arms traced, torch.where selects "
+        "the taken arm's bits on the device (index ops of the arm not taken masked to 0), no host read"
+    )
+    BRANCH_FORM = "the branch is not an if/else whose arms are straight-line code that joins again"
+    BRANCH_SIDE_EFFECT = "an arm has a side effect (a mutation, an in-place or random op): it cannot run untaken"
+    BRANCH_VALUES = "the arms differ in something other than contiguous tensors of one shape, dtype and device"
+    BRANCH_MAY_RAISE = "an arm runs an op that may raise for the values of the arm eager skips"
+    BRANCH_COST = "an arm traces too many ops to run both arms at every step"
+    BRANCH_IDENTITY = "later code compares the chosen object by identity (`is`)"
     REWRITE_OTHER_USE = "the value is used other than as an index into a tensor or a list of tensors"
     REWRITE_TABLE = "the indexed object is not a tensor or a list of same-shape contiguous tensors"
     REWRITE_ALIASED = (

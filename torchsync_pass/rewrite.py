@@ -58,7 +58,7 @@ from .report import DECISIONS, Action, Decision, Reason, SiteKey
 
 log = logging.getLogger(__name__)
 
-_kept: dict[tuple, str] = {}  # site key -> why it keeps its sync (found after a rewrite)
+_kept: dict[tuple, tuple] = {}  # site key -> (Reason, detail): why it keeps its sync (found after a rewrite)
 _recorded: set = set()
 _lock = threading.Lock()
 
@@ -94,6 +94,71 @@ def _with_site(use: dynamo_hooks.RewriteUse, site: dynamo_hooks.SyncSite) -> dyn
                                kind=site.kind, source=site.source_line, code=site.code_name)
 
 
+# --------------------------------------------------------------------------------------------
+# A branch selected on the device (Note [Rewriting a branch as a select] in dynamo_hooks)
+# --------------------------------------------------------------------------------------------
+# Both arms run, so every op in the arm eager skips must be unable to raise or change state because
+# of the values it reads; shape and dtype errors show at trace time (on fake tensors), and random
+# or in-place ops are refused. Value-safe: views and layout, conversions, matmuls, norms and
+# reductions of static shape, and pointwise ops (aten's ``pointwise`` tag) on floating point. On
+# integer tensors the pointwise ops that raise for some values are refused (division and remainder
+# by zero, a negative power).
+_ARM_SAFE = frozenset({
+    "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "unsqueeze", "squeeze",
+    "expand", "expand_as", "contiguous", "clone", "narrow", "select", "split", "chunk", "unbind", "flip",
+    "repeat", "to", "type_as", "float", "half", "bfloat16", "double", "long", "int", "stack", "cat",
+    "size", "dim", "linear", "matmul", "mm", "bmm", "addmm", "layer_norm", "group_norm", "rms_norm",
+    "softmax", "log_softmax", "sum", "mean", "amax", "amin", "cumsum", "truediv", "neg", "pos",
+    "relu", "gelu", "silu", "mish", "softplus", "hardtanh", "leaky_relu", "elu",
+})
+_INT_RAISES = frozenset({"div", "truediv", "floordiv", "floor_divide", "remainder", "mod", "fmod", "pow",
+                         "true_divide", "divide", "float_power", "__floordiv__", "__mod__", "__pow__"})
+_INDEX_OPS = {"embedding": (0, 1), "index_select": (2, 0), "getitem": (1, 0), "index": (1, 0)}
+MAX_ARM_OPS = 32  # ops traced per arm: the arm eager skips costs device work at every step
+
+
+def _pointwise(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name.strip("_"), None)
+    try:
+        tags = [getattr(packet, o).tags for o in packet.overloads()] if packet is not None else []
+    except Exception:
+        return False
+    return any(torch.Tag.pointwise in t for t in tags) and not any(torch.Tag.nondeterministic_seeded in t for t in tags)
+
+
+def _index_of(n: torch.fx.Node, name: str) -> Optional[tuple[torch.fx.Node, int]]:
+    """(the index node, the size of the dimension it indexes) of an index op, else None."""
+    if name not in _INDEX_OPS:
+        return None
+    pos, table_pos = _INDEX_OPS[name]
+    if name == "index" and n.target is not torch.ops.aten.index.Tensor:
+        return None
+    if name == "getitem" and n.target is not operator.getitem:
+        return None
+    idx = n.args[pos] if len(n.args) > pos else n.kwargs.get("input" if name == "embedding" else "index")
+    if name == "index":
+        idx = idx[0] if isinstance(idx, (list, tuple)) and len(idx) == 1 else None
+    table = cone._example(n.args[table_pos]) if len(n.args) > table_pos else None
+    iex = cone._example(idx) if isinstance(idx, torch.fx.Node) else None
+    if not isinstance(iex, torch.Tensor) or not isinstance(table, torch.Tensor) or table.dim() == 0:
+        return None
+    if iex.dtype not in (torch.int64, torch.int32):
+        return None
+    dim = n.args[1] if name == "index_select" else 0
+    if not isinstance(dim, int) or not isinstance(table.shape[dim], int):
+        return None
+    return idx, int(table.shape[dim])
+
+
+def _static_key(key: Any) -> bool:
+    """A subscript of ints, slices, None and Ellipsis only (a view, no value read)."""
+    if isinstance(key, tuple):
+        return all(_static_key(k) for k in key)
+    if isinstance(key, slice):
+        return all(v is None or isinstance(v, int) for v in (key.start, key.stop, key.step))
+    return key is None or key is Ellipsis or isinstance(key, int)
+
+
 class Rewriter:
     """The policy dynamo_hooks asks at each read used only as an index."""
 
@@ -103,8 +168,7 @@ class Rewriter:
         with _lock:
             why = _kept.get(key)
         if why is not None:
-            _record(_with_site(use, site), Action.KEPT, Reason.REWRITE_ALIASED, why,
-                    dynamo_hooks.current_compile_id())
+            _record(_with_site(use, site), Action.KEPT, why[0], why[1], dynamo_hooks.current_compile_id())
             return None
         return _with_site(use, site)
 
@@ -112,6 +176,49 @@ class Rewriter:
         """An integer read that was neither hoisted nor rewritten: say why it was not rewritten."""
         use = _with_site(dynamo_hooks.RewriteUse("", "", 0), site)
         _record(use, Action.KEPT, Reason[reason], detail, dynamo_hooks.current_compile_id())
+
+    def refuse_branch(self, site: dynamo_hooks.SyncSite, reason: str, detail: str) -> None:
+        """A branch whose arms cannot be selected on the device: it keeps its sync from now on."""
+        with _lock:
+            _kept[_site_key(site)] = (Reason[reason], detail)
+        self.kept(site, reason, detail)
+
+    def branch_plan(self, *arms: list) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+        """The (index op, index) pairs whose index dynamo_hooks masks to 0 when the op's arm is not
+        taken; raises ``dynamo_hooks.BranchRefused`` for an op the arm eager skips must not run."""
+        refused = dynamo_hooks.BranchRefused
+        masks = []
+        for nodes in arms:
+            ops = [n for n in nodes if n.op in ("call_function", "call_method", "call_module", "get_attr")]
+            if len(ops) > MAX_ARM_OPS:
+                raise refused("BRANCH_COST", f"an arm traces {len(ops)} ops (at most {MAX_ARM_OPS} run in "
+                              "both arms at every step)")
+            for n in ops:
+                name = cone._target_name(n).split(".")[0]  # aten.index.Tensor: "index"
+                impure = cone._impure_reason(n) if n.op != "get_attr" else None
+                if impure is not None or n.op == "call_module":
+                    raise refused("BRANCH_SIDE_EFFECT", f"an arm runs {impure[1] if impure else name} "
+                                  "(the arm eager skips would run too)")
+                index = _index_of(n, name)
+                if index is not None:
+                    if index[1] == 0 or (name == "embedding" and any(
+                            v is not None for v in list(n.args[3:4]) + [n.kwargs.get("max_norm")])):
+                        raise refused("BRANCH_MAY_RAISE", f"{name} in an arm cannot be masked (an empty "
+                                      "table, or max_norm writes the weight)")
+                    masks.append((n, index[0]))
+                    continue
+                if n.op == "get_attr" or (name == "getitem" and _static_key(n.args[1])):
+                    continue
+                exs = [cone._example(x) for x in n.all_input_nodes] + [cone._example(n)]
+                ints = any(isinstance(e, torch.Tensor) and not (e.is_floating_point() or e.is_complex()
+                                                                 or e.dtype == torch.bool) for e in exs)
+                if ints and name in _INT_RAISES:
+                    raise refused("BRANCH_MAY_RAISE", f"{name} on integer tensors in an arm can raise for "
+                                  "some values (division by zero, a negative power)")
+                if name not in _ARM_SAFE and not _pointwise(name):
+                    raise refused("BRANCH_MAY_RAISE", f"an arm runs {name}, which nosync cannot show never "
+                                  "raises for the values of the arm eager skips")
+        return masks
 
 
 REWRITER = Rewriter()
@@ -147,7 +254,8 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
         return
     order = {n: i for i, n in enumerate(graph.nodes)}
     output = next(iter(graph.find_nodes(op="output")))
-    returned = {cone._storage_key(cone._example(o)) for o in cone._nodes_in(output.args)}
+    returned = [cone._storage_key(cone._example(o)) for o in cone._nodes_in(output.args)]
+    inputs = {cone._storage_key(cone._example(n)) for n in graph.nodes if n.op in ("placeholder", "get_attr")}
     writes = [(order[n], cone._storage_key(cone._example(w))) for n in graph.nodes for w in cone.written_nodes(n)]
     # Autograd sees the copy: a gather's backward is not a select's (index_put accumulates: other
     # bits, -0.0 becomes 0.0), a saved copy misses a later in-place write that eager's saved view
@@ -157,9 +265,10 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
         use = _use(row)
         assert use is not None
         key = cone._storage_key(cone._example(row))
+        branch = use.form == "branch"  # torch.where(test, a, b): a and b are eager's objects
         table = row.args[0]
-        stacked = _use(table) is not None
-        tables = table.all_input_nodes if stacked else [table]
+        stacked = not branch and _use(table) is not None
+        tables = list(row.all_input_nodes[1:]) if branch else table.all_input_nodes if stacked else [table]
         table_keys = {cone._storage_key(cone._example(t)) for t in tables} - {None}
         # a list's stack is shared by the reads after it: a write to a listed tensor after the
         # stack would be missed by every later read (eager reads the tensor itself)
@@ -167,19 +276,22 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
         problem = None
         if key is None:
             problem = "the row has no traced value to check"
-        elif key in returned:
-            problem = "the row (or a view of it) is returned from the graph"
+        elif key in returned and not (branch and _fresh_arms(row, tables, returned, inputs)):
+            problem = ("the selected tensor (or a view of it) is returned, and an arm is an input, a view or "
+                       "returned too" if branch else "the row (or a view of it) is returned from the graph")
         elif any(k == key for _, k in writes):
             problem = "the row (or a view of it) is written in place"
         elif any(i > since and k in table_keys for i, k in writes):
-            problem = "the table is written in place after the read" + (" (or after its stack)" if stacked else "")
+            problem = ("an arm's tensor is written in place after the select" if branch else
+                       "the table is written in place after the read" + (" (or after its stack)" if stacked else ""))
         elif recorded is not None:
-            problem = f"autograd records this graph ({recorded.name} requires grad): a gathered row has other gradients"
+            problem = (f"autograd records this graph ({recorded.name} requires grad): a "
+                       + ("select sends gradients to the arm eager skips" if branch else "gathered row has other gradients"))
         elif stacked and any(_requires_grad(t) for t in tables):
             problem = "a tensor of the list requires grad: eager's row is that tensor itself"
         if problem is not None:
             with _lock:
-                _kept[use.site_key] = problem
+                _kept[use.site_key] = (Reason.REWRITE_ALIASED, problem)
             _record(use, Action.KEPT, Reason.REWRITE_ALIASED, problem, compile_id)
             dynamo_hooks.restart_analysis(f"nosync: {use.site}: {problem}; keeping the sync")
     reads: dict[tuple, list] = {}
@@ -187,10 +299,27 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
         reads.setdefault(_use(row).site_key, []).append(_use(row))
     for uses in reads.values():
         use = uses[0]
+        if use.form == "branch":
+            _record(use, Action.REWRITTEN, Reason.BRANCH_WHERE, f"{use.length} value(s) selected; "
+                    f"{len(uses)} select(s) in this graph", compile_id)
+            continue
         reason = Reason.INDEX_LIST if use.form == "list" else Reason.INDEX_TENSOR
         _record(use, Action.REWRITTEN, reason,
                 f"{dotted(use.table)}, {use.length} entries; {len(uses)} read(s) in this graph", compile_id)
     fuse_gathers(gm)
+
+
+def _fresh_arms(row: torch.fx.Node, arms: list, returned: list, inputs: set) -> bool:
+    """Is a returned select indistinguishable from eager's arm: each arm a tensor the graph made,
+    not a view, whose memory is returned only through the select (returned once)?"""
+    key = cone._storage_key(cone._example(row))
+    if returned.count(key) != 1:
+        return False
+    for a in arms:
+        ex, k = cone._example(a), cone._storage_key(cone._example(a))
+        if k is None or k in inputs or k in returned or not isinstance(ex, torch.Tensor) or _torch_private.is_view(ex):
+            return False
+    return True
 
 
 def _requires_grad(n: torch.fx.Node) -> bool:
@@ -217,7 +346,7 @@ def fuse_gathers(gm: torch.fx.GraphModule) -> int:
         dim = st.args[1] if len(st.args) > 1 else st.kwargs.get("dim", 0)
         if dim != 0 or not isinstance(rows, (list, tuple)) or len(rows) < 2:
             continue
-        if not all(isinstance(r, torch.fx.Node) and _use(r) is not None and r.target is not torch.stack
+        if not all(isinstance(r, torch.fx.Node) and _use(r) is not None and r.target is torch.ops.aten.index.Tensor
                    and len(r.users) == 1 for r in rows):
             continue
         table = rows[0].args[0]

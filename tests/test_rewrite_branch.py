@@ -1,0 +1,315 @@
+"""Device-side rewrites (issue 13): a per-position branch between tensors becomes ``torch.where``.
+
+``row = pad_row if t == PAD else emb(t)`` reads ``t`` to the host to pick an arm. Once nosync knows
+the test varies from step to step (it does not hoist it), both arms are traced and ``torch.where``
+selects the taken arm's bits on the device: no host read, every call bitwise equal to eager
+(``codegen="eager"``). An index op in an arm eager may skip gets its index masked to 0 when its arm
+is not taken (an embedding of a PAD id of -1 must not raise). Branches whose arms cannot both run
+keep their sync and say why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchsync_pass
+from torchsync_pass import Action, NosyncBackend, Reason
+
+PAD = -1
+WARM = 5  # calls with new tokens before the counted one: the test is speculated, then demoted
+
+
+def assert_bitwise(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), (a.shape, b.shape)
+    if a.dtype == torch.float32:  # NaN != NaN: compare the bits
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    assert torch.equal(a, b), (a - b).abs().max()
+
+
+def compiled(fn):
+    return torch.compile(fn, backend=NosyncBackend({"codegen": "eager"}))
+
+
+def syncs(fn, *args):
+    with torchsync_pass.count_syncs(stacks=False) as c:
+        out = fn(*args)
+    return out, c.total
+
+
+def decisions(action, reason=None):
+    return [d for d in torchsync_pass.decisions() if d.action is action and (reason is None or d.reason is reason)]
+
+
+def tokens_of(seed, n=6, vocab=16):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[torch.randperm(n, generator=g)[: n // 3]] = PAD
+    return t
+
+
+def run_steps(model, fn, make_args, steps=WARM):
+    """Call fn on new arguments ``steps`` times (each bitwise with eager), then count one more."""
+    for s in range(steps):
+        args = make_args(s)
+        assert_bitwise(fn(*args), model(*args))
+    args = make_args(steps)
+    out, n = syncs(fn, *args)
+    assert_bitwise(out, model(*args))
+    return n
+
+
+class PadOrEmbed(nn.Module):
+    """The issue's form: a conditional expression, PAD = -1 (out of range for the embedding)."""
+
+    def __init__(self, vocab=16, dim=5):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.register_buffer("pad_row", torch.full((dim,), 0.5))
+
+    def forward(self, tokens):
+        rows = []
+        for i in range(tokens.shape[0]):
+            rows.append(self.pad_row if tokens[i] == PAD else self.emb(tokens[i]))
+        return torch.stack(rows) * 2
+
+
+class PadOrEmbedStatement(PadOrEmbed):
+    """The same choice as an if/else statement, each arm appending its row."""
+
+    def forward(self, tokens):
+        rows = []
+        for i in range(tokens.shape[0]):
+            if tokens[i] == PAD:
+                rows.append(self.pad_row)
+            else:
+                rows.append(self.emb(tokens[i]))
+        return torch.stack(rows) * 2
+
+
+@pytest.mark.parametrize("cls", [PadOrEmbed, PadOrEmbedStatement])
+@torch.no_grad()
+def test_per_position_branch_is_selected_on_the_device(cls):
+    torch._dynamo.reset()
+    model = cls().eval()
+    fn = compiled(model)
+    n = run_steps(model, fn, lambda s: (tokens_of(s),))
+    assert n == 0
+    rewritten = decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)
+    assert rewritten and all("PAD" in d.source for d in rewritten)
+    # stock Dynamo syncs once per position on the same call
+    stock = torch.compile(model, backend="eager")
+    stock(tokens_of(99))
+    assert syncs(stock, tokens_of(100))[1] == 6
+
+
+@torch.no_grad()
+def test_taken_arm_out_of_range_raises_as_eager():
+    torch._dynamo.reset()
+    model = PadOrEmbed().eval()
+    fn = compiled(model)
+    run_steps(model, fn, lambda s: (tokens_of(s),))
+    bad = torch.tensor([3, PAD, 16, PAD, 1, 2])  # 16 is taken to the embedding: out of range
+    with pytest.raises(IndexError) as eager_err:
+        model(bad)
+    with pytest.raises(IndexError) as ours:
+        fn(bad)
+    assert str(ours.value) == str(eager_err.value)
+    assert not decisions(Action.KEPT)
+
+
+@torch.no_grad()
+def test_if_without_else_and_special_bits():
+    """``if t > 0: x = x * 2`` selects between x*2 and x; NaN payloads and -0.0 keep their bits."""
+    torch._dynamo.reset()
+
+    def step(x, t):
+        for i in range(t.shape[0]):
+            if t[i] > 0:
+                x = x * 2
+            x = x + 0.0 if t[i] < -5 else x
+        return x.clone()  # x itself may be the input: returning it keeps the sync (a select is a copy)
+
+    fn = compiled(step)
+    x = torch.tensor([float("nan"), -0.0, 1.5, -float("inf")])
+    x[0] = torch.tensor(0x7FC00ABC, dtype=torch.int32).view(torch.float32)  # a NaN with a payload
+    n = run_steps(step, fn, lambda s: (x, torch.randint(-8, 8, (4,), generator=torch.Generator().manual_seed(s))))
+    assert n == 0
+    out = fn(x, torch.tensor([-1, -1, -1, -1]))
+    assert torch.equal(out.view(torch.int32), x.view(torch.int32))
+
+
+@torch.no_grad()
+def test_branches_that_cannot_run_both_arms_keep_their_sync():
+    torch._dynamo.reset()
+    table = torch.arange(12.0).reshape(4, 3)
+
+    def early_exit(x, t):  # an arm leaves the loop: the arms never join
+        for i in range(t.shape[0]):
+            if t[i] > 0:
+                break
+            x = x + 1
+        return x * 2
+
+    def shapes_differ(x, t):
+        y = x[:2] if t[0] > 0 else x
+        return y * 2
+
+    def int_division(x, t):  # x // t raises ZeroDivisionError on the arm eager skips
+        y = x // t[1] if t[0] > 0 else x
+        return y + 1
+
+    def side_effect(x, t):
+        out = []
+        if t[0] > 0:
+            out.append(x)
+            y = x + 1
+        else:
+            y = x - 1
+        return y, len(out)
+
+    def returned(x, t):  # eager returns x itself; a select would return a copy
+        return x if t[0] > 0 else table[0]
+
+    cases = [(early_exit, Reason.BRANCH_FORM), (shapes_differ, Reason.BRANCH_VALUES),
+             (int_division, Reason.BRANCH_MAY_RAISE), (side_effect, Reason.BRANCH_SIDE_EFFECT),
+             (returned, Reason.REWRITE_ALIASED)]
+    for fn_, reason in cases:
+        x = torch.arange(3) if fn_ is int_division else torch.tensor([1.0, 2.0, 3.0])
+        fn = compiled(fn_)
+        for s in range(WARM):
+            t = torch.tensor([1, 2] if s % 2 else [-1, 0])  # t[1] is 0 only where eager skips x // t[1]
+            want, got = fn_(x, t), fn(x, t)
+            for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+                assert w == g if isinstance(w, int) else torch.equal(w, g)
+        _, n = syncs(fn, x, torch.tensor([-1, 0]))
+        assert n >= 1, fn_.__name__
+        kept = [d for d in decisions(Action.KEPT, reason) if fn_.__name__ in d.code]
+        assert kept, (fn_.__name__, [(d.action, d.reason, d.code) for d in torchsync_pass.decisions()])
+
+
+@torch.no_grad()
+def test_identity_comparison_after_the_branch_keeps_its_sync():
+    torch._dynamo.reset()
+    pad = torch.zeros(3)
+
+    def step(x, t):
+        y = pad if t[0] > 0 else x
+        return y + 1, y is pad
+
+    fn = compiled(step)
+    for s in range(WARM):
+        t = torch.tensor([1 - 2 * (s % 2)])
+        want, got = step(torch.ones(3), t), fn(torch.ones(3), t)
+        assert torch.equal(want[0], got[0]) and want[1] == got[1]
+    assert [d for d in decisions(Action.KEPT, Reason.BRANCH_IDENTITY) if "step" in d.code]
+
+
+def test_arm_requiring_grad_keeps_its_sync():
+    torch._dynamo.reset()
+    model = PadOrEmbed()
+    fn = compiled(model)
+    for s in range(WARM):
+        t = tokens_of(s)
+        want, got = model(t), fn(t)
+        assert_bitwise(got.detach(), want.detach())
+        got.sum().backward()
+    assert decisions(Action.KEPT, Reason.BRANCH_VALUES)
+    assert not decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)
+
+
+class PadOrListRow(nn.Module):
+    """An arm that reads a row of a Python list at ``t.item()`` (itself rewritten as a gather)."""
+
+    def __init__(self, vocab=16, dim=5):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.table = [torch.randn(dim, generator=g) for _ in range(vocab)]
+        self.pad_row = torch.full((dim,), -2.0)
+
+    def forward(self, tokens):
+        rows = []
+        for i in range(tokens.shape[0]):
+            rows.append(self.pad_row if tokens[i] == PAD else self.table[tokens[i].item()])
+        return torch.stack(rows)
+
+
+@torch.no_grad()
+def test_arm_with_a_rewritten_index_read():
+    torch._dynamo.reset()
+    model = PadOrListRow()
+    fn = compiled(model)
+    assert run_steps(model, fn, lambda s: (tokens_of(s),)) == 0
+    assert decisions(Action.REWRITTEN, Reason.BRANCH_WHERE) and decisions(Action.REWRITTEN, Reason.INDEX_LIST)
+    with pytest.raises(IndexError):  # 16 taken to the list: eager's IndexError, from the gather
+        fn(torch.tensor([1, PAD, 16, 2, 3, PAD]))
+
+
+@pytest.mark.inductor
+@torch.no_grad()
+def test_per_position_branch_under_inductor_equals_stock_inductor():
+    """The rows are copies (a gather, a select, a stack): stock Inductor, with its graph break and
+    sync per position, gives the same bits."""
+    torch._dynamo.reset()
+    model = PadOrEmbed().eval()
+    stock = torch.compile(model, backend="inductor")
+    want = [stock(tokens_of(s)) for s in range(WARM + 1)]
+    torch._dynamo.reset()  # one backend per code object at a time (each would recompile the other's)
+    ours = torch.compile(model, backend="nosync")
+    for s in range(WARM + 1):
+        assert_bitwise(ours(tokens_of(s)), want[s])
+    _, n = syncs(ours, tokens_of(50))
+    assert n == 0
+    assert decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)
+
+
+EXPLAIN_SCRIPT = """
+import torch
+
+PAD = -1
+emb = torch.nn.Embedding(8, 3)
+pad_row = torch.zeros(3)
+
+
+@torch.no_grad()
+def step(tokens):
+    rows = []
+    for i in range(tokens.shape[0]):
+        rows.append(pad_row if tokens[i] == PAD else emb(tokens[i]))  # BRANCH
+    return torch.stack(rows)
+
+
+f = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+for s in range(8):
+    f(torch.tensor([s % 8, PAD, (3 * s) % 8, PAD if s % 2 else 1]))
+"""
+
+
+def test_explain_marks_the_selected_branch(tmp_path, capsys):
+    from test_rewrite import explain_site
+
+    from torchsync_pass import explain
+
+    _, row = explain_site(tmp_path, capsys, EXPLAIN_SCRIPT, "# BRANCH")
+    assert row["nosync"]["action"] == "rewritten" and row["nosync"]["reason"] == "BRANCH_WHERE", row
+    assert explain.main([str(tmp_path / "script.py")]) == 0
+    assert "torch.where selects" in capsys.readouterr().out
+
+
+@torch.no_grad()
+def test_truthiness_of_ints_and_nan_and_a_returned_fresh_select():
+    """``if t:`` is nonzero (NaN is true); a select of two tensors the step made may be returned."""
+    torch._dynamo.reset()
+
+    def step(x, t, f):
+        a = x * 2 if t[0] else x - 1  # an int test
+        b = a + 1 if f[0] else a * 3  # a float test: NaN and -0.0
+        return b * 2 if t[1] > 0 else b - 1  # returned: both arms are new tensors
+
+    fn = compiled(step)
+    x = torch.tensor([1.0, -2.5, 3.0])
+    floats = [float("nan"), -0.0, 0.0, 2.0, float("nan"), 0.0, -3.0]
+    n = run_steps(step, fn, lambda s: (x, torch.tensor([s % 3, 1 - 2 * (s % 2)]), torch.tensor([floats[s]])), steps=6)
+    assert n == 0
+    assert len({d.site for d in decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)}) == 3
