@@ -168,6 +168,8 @@ EXAMPLES = {
                 note="compute-bound on a CPU: 8 tokens x 1,024 features"),
         Example("prefill-long-tensor", "prefill_tokens", "long-tensor", 8, 20, 2, 2, True,
                 note="prefill-long with the table as one tensor buffer instead of a list"),
+        Example("prefill-pad", "prefill_tokens", "tiny-pad", 16, 30, 2, 2, True,
+                note="prefill with PAD positions: a per-position branch (pad row, or a list row)"),
     )
 }
 
@@ -706,7 +708,7 @@ def acceptance(results: list[Result], guard: dict | None) -> list[dict[str, Any]
                        "value": v, "ok": guard["sites_hoisted"] and v < TARGET_GUARD_US_PER_SITE})
     by = {(r.example, r.variant): r for r in results}
     for ex, allowed in (("diffusion-tiny", 0), ("diffusion-large", 0), ("decode", 1), ("prefill", 0),
-                        ("prefill-long", 0), ("prefill-wide", 0), ("prefill-long-tensor", 0)):
+                        ("prefill-long", 0), ("prefill-wide", 0), ("prefill-long-tensor", 0), ("prefill-pad", 0)):
         for v in ("nosync", "nosync-eager"):
             r = by.get((ex, v))
             if r is not None and r.syncs_per_step is not None:

@@ -25,6 +25,10 @@ Sizes: ``tiny`` (8 tokens per chunk, 64-entry table) and ``long`` (64 tokens per
 entries) are CPU-bound: the host side (one read and one Python-level lookup per token) dominates.
 ``wide`` (8 tokens, 1,024 features) is compute-bound on a CPU: its two matmuls dominate.
 ``long-tensor`` is ``long`` with the table as one tensor buffer (``self.table[i]`` indexes a tensor).
+``tiny-pad`` is ``tiny`` with about a quarter of the positions set to ``PAD`` (-1), looked up with a
+per-position branch, ``self.pad_row if tokens[i] == PAD else self.table[tokens[i].item()]``: eager
+reads each test and each non-PAD token back; nosync traces both arms and selects with
+``torch.where`` (the table read masked to row 0 where the position is PAD), no host read.
 
 Run it:  python examples/prefill_tokens.py [--backend eager|inductor|nosync] [--steps N] [--size S]
 """
@@ -43,13 +47,17 @@ SIZES = {
     "long": (512, 32, 64, 8),
     "wide": (64, 1024, 8, 4),
     "long-tensor": (512, 32, 64, 8),  # "long" with the table as one tensor (a buffer), not a list
+    "tiny-pad": (64, 32, 8, 16),  # "tiny" with PAD positions: a per-position branch (see PAD)
 }
 TENSOR_TABLE = {"long-tensor"}
+PADDED = {"tiny-pad"}
+PAD = -1  # the padding id of PADDED sizes: its row is ``pad_row``, not a table entry
 
 
 class Prefill(nn.Module):
-    def __init__(self, n_entries: int, dim: int, tensor_table: bool = False) -> None:
+    def __init__(self, n_entries: int, dim: int, tensor_table: bool = False, padded: bool = False) -> None:
         super().__init__()
+        self.padded = padded
         g = torch.Generator().manual_seed(1234)
         # A host-side table: a Python list of per-token features, not a parameter (or, with
         # tensor_table, the same rows as one [n_entries, dim] buffer).
@@ -58,6 +66,7 @@ class Prefill(nn.Module):
             self.register_buffer("table", torch.stack(rows))
         else:
             self.table = rows
+        self.register_buffer("pad_row", torch.zeros(dim))
         self.proj = nn.Linear(dim, dim)
         self.mix = nn.Linear(2 * dim, dim)
 
@@ -71,7 +80,10 @@ class Prefill(nn.Module):
     def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
         rows = []
         for i in range(tokens.shape[0]):
-            rows.append(self.table[tokens[i].item()])  # a host read per position (eager, stock Dynamo)
+            if self.padded:  # a host read for the branch, and one more for each non-PAD position
+                rows.append(self.pad_row if tokens[i] == PAD else self.table[tokens[i].item()])
+            else:
+                rows.append(self.table[tokens[i].item()])  # a host read per position (eager, stock Dynamo)
         return torch.stack(rows)
 
     def forward(self, tokens: torch.Tensor, state: torch.Tensor):
@@ -85,28 +97,33 @@ class VectorizedPrefill(Prefill):
 
     def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.table if isinstance(self.table, torch.Tensor) else torch.stack(self.table)
+        if self.padded:
+            return torch.where((tokens == PAD)[:, None], self.pad_row, table[tokens.clamp(min=0)])
         return table[tokens]
 
 
 def make_model(size: str = "tiny", seed: int = 0) -> Prefill:
     n_entries, dim, _, _ = SIZES[size]
     torch.manual_seed(seed)
-    return Prefill(n_entries, dim, size in TENSOR_TABLE).eval()
+    return Prefill(n_entries, dim, size in TENSOR_TABLE, size in PADDED).eval()
 
 
 def make_vectorized_model(size: str = "tiny", seed: int = 0) -> VectorizedPrefill:
     """Same weights and table as ``make_model(size, seed)``, gather written by hand."""
     n_entries, dim, _, _ = SIZES[size]
     torch.manual_seed(seed)
-    return VectorizedPrefill(n_entries, dim, size in TENSOR_TABLE).eval()
+    return VectorizedPrefill(n_entries, dim, size in TENSOR_TABLE, size in PADDED).eval()
 
 
 def make_request(size: str = "tiny", seed: int = 0):
     """A request: the token ids of one utterance (new for every request) and the initial state."""
     n_entries, dim, chunk, n_chunks = SIZES[size]
     g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(n_entries, (chunk * n_chunks,), generator=g)
+    if size in PADDED:  # about a quarter of the positions are padding
+        tokens[torch.rand(tokens.shape, generator=g) < 0.25] = PAD
     return {
-        "tokens": torch.randint(n_entries, (chunk * n_chunks,), generator=g),
+        "tokens": tokens,
         "chunk": chunk,
         "state": torch.zeros(1, dim),
     }

@@ -138,7 +138,7 @@ def test_decode_stop_check_stops_early_in_eager():
     assert int(out[-1]) in request["stop_ids"].tolist()
 
 
-@pytest.mark.parametrize("size", ["tiny", "long", "long-tensor"])
+@pytest.mark.parametrize("size", ["tiny", "long", "long-tensor", "tiny-pad"])
 def test_prefill_vectorized_step_equals_the_original(size):
     model, vec = prefill_tokens.make_model(size), prefill_tokens.make_vectorized_model(size)
     request = prefill_tokens.make_request(size, seed=3)
@@ -239,6 +239,31 @@ def test_prefill_nosync_rewrites_every_read():
     assert graphs_and_breaks() == (1, 0)
     (d,) = [d for d in torchsync_pass.decisions() if d.action is torchsync_pass.Action.REWRITTEN]
     assert d.reason is torchsync_pass.Reason.INDEX_LIST and "self.table, 64 entries" in d.detail
+
+
+def test_prefill_with_pad_positions_selects_on_the_device():
+    # the per-position branch (pad row, or a list row read at t.item()): once nosync has seen the
+    # test change (speculated, then demoted), both arms are traced and torch.where selects
+    size = "tiny-pad"
+    model = prefill_tokens.make_model(size)
+    compiled = nosync_eager(prefill_tokens.make_model(size))
+    with torch.no_grad():
+        request = prefill_tokens.make_request(size, seed=5)
+        tokens, chunk = request["tokens"], request["chunk"]
+        assert 0 < int((tokens == prefill_tokens.PAD).sum()) < tokens.numel()
+        s_eager = s_nosync = request["state"]
+        counts = []
+        for i in range(8):
+            t = tokens[i * chunk : (i + 1) * chunk]
+            n_eager = syncs_during(lambda: model(t, s_eager))
+            counts.append(syncs_during(lambda: compiled(t, s_nosync)))
+            (h1, s_eager), (h2, s_nosync) = model(t, s_eager), compiled(t, s_nosync)
+            assert_bitwise(h2, h1, f"step {i}")
+            assert_bitwise(s_nosync, s_eager, f"step {i} state")
+            assert n_eager == chunk + int((t != prefill_tokens.PAD).sum())
+    assert counts[-3:] == [0, 0, 0], counts
+    reasons = {d.reason for d in torchsync_pass.decisions() if d.action is torchsync_pass.Action.REWRITTEN}
+    assert reasons == {torchsync_pass.Reason.INDEX_LIST, torchsync_pass.Reason.BRANCH_WHERE}
 
 
 # --------------------------------------------------------------------------------------------
