@@ -78,7 +78,7 @@ import torch
 from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, rewrite, symbolic
-from .guards import MEMO_SIZE, ConeMemo, _same_call_fn, counters
+from .guards import _FP_VERSIONED, MEMO_SIZE, ConeMemo, counters
 from .report import DECISIONS, Action, Decision, Reason, SiteKey
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         step = compile_step(step_gm, _step_examples(inv_gm, leaf_index, cached, example_inputs))
     size = max(1, min(MEMO_SIZE, limit // max(total, 1)))
     runner = InvariantRunner(inv_gm, step, leaf_index, size)
-    return InvariantSplit(True, runner, decisions, skipped, runner, step_gm)
+    return InvariantSplit(True, runner.call, decisions, skipped, runner, step_gm)
 
 
 def _step_examples(inv_gm: fx.GraphModule, leaf_index: tuple[int, ...], cached: list[fx.Node],
@@ -330,12 +330,12 @@ def _step_module(gm: fx.GraphModule, cached: list[fx.Node], inv: set[fx.Node]) -
     return fx.GraphModule(gm, new, class_name="NosyncStep")
 
 
-def _no_leaves(refs: tuple, fps: tuple, leaves: tuple) -> bool:
-    return True  # values computed from no input at all (``torch.arange``): the same every call
-
-
 class InvariantRunner:
-    """Calls the step with the invariant values of this request: memoized, recomputed on a miss."""
+    """Calls the step with the invariant values of this request: memoized, recomputed on a miss.
+
+    ``call`` (what the backend hands to Dynamo) is the hot path, generated per runner as
+    straight-line code (:func:`_fast_call_fn`); calling the runner object does the same.
+    """
 
     def __init__(self, invariant: fx.GraphModule, step: Callable[..., Any], leaf_index: tuple[int, ...],
                  size: int) -> None:
@@ -343,36 +343,67 @@ class InvariantRunner:
         self.step = step
         self.leaf_index = leaf_index
         self.size = size
-        declared = (False,) * len(leaf_index)  # inference leaves never reach the memo (see values)
+        declared = (False,) * len(leaf_index)  # inference leaves never reach the memo (see miss)
         self.memos = {True: ConeMemo(declared, size), False: ConeMemo(declared, size)}
-        # The hot path: the leaves of the last call, by weak reference and fingerprint (what a memo
-        # lookup compares), answered without the memo (generated code, as the guards' fast path).
-        self.same = _same_call_fn(len(leaf_index), declared) if leaf_index else _no_leaves
-        self.last: Optional[tuple] = None  # (grad mode, refs, fingerprints, values)
+        # The last call's answer: (grad mode, weak refs and fingerprints of its leaves, values),
+        # what a memo lookup compares, checked by ``call`` without the memo.
+        self.last: Optional[tuple] = None
+        # NOTE: a GraphModule's forward, not the module: nn.Module.__call__ costs microseconds per
+        # call (Dynamo's own eager backend returns gm.forward for the same reason); same ops.
+        self._invariant_fn = invariant.forward
+        step_fn = step.forward if isinstance(step, fx.GraphModule) else step
+        self.call = _fast_call_fn(self, step_fn)
 
-    def _lookup(self, leaves: tuple, grad: bool) -> tuple:
+    def __call__(self, *args: Any) -> Any:
+        return self.call(*args)
+
+    def miss(self, args: tuple) -> Any:
+        """The values for a call that is not the last one's: memo lookup, or the invariant part."""
+        leaves = tuple([args[i] for i in self.leaf_index])
+        grad = torch.is_grad_enabled()
         if any(t.is_inference() for t in leaves):
             # NOTE: declared inference tensors have no _version; the identity-only memo would be the
             # user's promise, which the step's own writes could break: recompute instead.
             counters()["invariant_computes"] += 1
-            return tuple(self.invariant(*leaves))
+            return tuple(self._invariant_fn(*leaves))
         memo = self.memos[grad]
         e = memo.lookup(leaves)
         if e is not None:
             counters()["invariant_hits"] += 1
         else:
             counters()["invariant_computes"] += 1
-            e = memo.store(leaves, None, tuple(self.invariant(*leaves)))
+            e = memo.store(leaves, None, tuple(self._invariant_fn(*leaves)))
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
         self.last = (grad, e.refs, e.fps, e.value)
         return e.value
 
-    def __call__(self, *args: Any) -> Any:
-        # NOTE: the hot path: this runs at every step
-        leaves = tuple([args[i] for i in self.leaf_index])
-        grad = torch.is_grad_enabled()
-        last = self.last
-        if last is not None and last[0] is grad and self.same(last[1], last[2], leaves):
-            counters()["invariant_hits"] += 1
-            return self.step(*args, *last[3])
-        return self.step(*args, *self._lookup(leaves, grad))
+
+def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``call(*args)``: the step with the last call's values when this call's leaves are the very
+    objects of the last call, with the same fingerprint (version, data pointer, shape, stride,
+    dtype: :data:`torchsync_pass.guards._FP_VERSIONED`) under the same grad mode; otherwise
+    ``runner.miss``. What a memo lookup would answer, without the lookup.
+
+    Generated straight-line code for the runner's leaf positions (this runs on every step): no
+    tuple of leaves, no loop, no helper call on a hit. An identity is compared before the
+    fingerprint is read, so an inference tensor (no ``_version``) never reaches the fingerprint:
+    it is never the object of a stored call (see ``miss``).
+    """
+    index = runner.leaf_index
+    lines = ["def call(*args):", "    last = runner.last", "    if last is not None and last[0] is is_grad_enabled():"]
+    if index:
+        names = [f"t{i}" for i in range(len(index))]
+        lines.append(f"        {', '.join(names)} = " + ", ".join(f"args[{i}]" for i in index))
+        lines.append("        refs = last[1]")
+        lines.append("        if (" + " and ".join(f"refs[{k}]() is {t}" for k, t in enumerate(names))
+                     + ") and last[2] == (" + ", ".join(_FP_VERSIONED.format(t=t) for t in names)
+                     + ("," if len(index) == 1 else "") + "):")
+        indent = "            "
+    else:
+        indent = "        "  # values computed from no input at all (``torch.arange``): the same every call
+    lines.append(indent + 'counters()["invariant_hits"] += 1')
+    lines.append(indent + "return step(*args, *last[3])")
+    lines.append("    return step(*args, *runner.miss(args))")
+    env = {"runner": runner, "step": step, "counters": counters, "is_grad_enabled": torch.is_grad_enabled}
+    exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
+    return env["call"]
