@@ -416,3 +416,34 @@ def test_caching_is_opt_in_under_inductor(monkeypatch, options, split):
         assert_bitwise(f(x), m(x))
     assert given == ([3] if split else [2])  # the split step also takes the cached mask
     assert bool(cached_decisions()) is split
+
+
+@pytest.mark.parametrize("options", [{**EAGER, "invariant_cache_bytes": 0}, EAGER])
+def test_steps_run_generated_code_not_module_calls(options):
+    """Per step, codegen="eager" runs the graphs' generated forward: no GraphModule goes through
+    nn.Module.__call__ (behind nosync's guard token, a _LazyGraphModule's forward did at every
+    step; the runner's step and invariant parts did too). Counted with a global forward hook,
+    which every nn.Module.__call__ runs; the outputs stay bitwise equal to eager."""
+    model = make_model("tiny")
+    request = make_request("tiny")
+    args = (request["x"], torch.tensor(1.0), request["token_types"], request["guidance_scale"],
+            request["grid_hw"])
+    f = compiled(model, options, *args)
+    called: list = []
+
+    def hook(module, args):
+        called.append(module)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    try:
+        f(*args)  # Dynamo may recompile for the global hook: not counted
+        called.clear()
+        for i in range(2):
+            tokens = args[2].clone()  # a new request (the invariant part runs again), then steps
+            for j in range(2):
+                call = (args[0], torch.tensor(1.0 - j / 4), tokens, *args[3:])
+                assert_bitwise(f(*call), model(*call))
+    finally:
+        handle.remove()
+    assert sum(c is model for c in called) >= 4  # the hook sees module calls (the eager reference's)
+    assert sorted({type(c).__name__ for c in called if isinstance(c, torch.fx.GraphModule)}) == []

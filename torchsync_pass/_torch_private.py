@@ -44,6 +44,7 @@ private name                                                     used by
 ``torch.autograd.profiler._is_profiler_enabled``                 :func:`profiler_enabled`
 ``torch._logging.getArtifactLogger``                             :func:`graph_break_logger`
 ``torch._dynamo.utils.get_compilation_metrics``                  :class:`CompilationWatch`
+``torch.fx._lazy_graph_module._LazyGraphModule``                 :func:`graph_forward`
 ===============================================================  ==============================
 
 NOTE: :func:`symint_hint` asks ``guarding_hint_or_throw`` only when ``node.hint`` is missing; it
@@ -183,6 +184,22 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, config_patc
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def graph_forward(gm: torch.fx.GraphModule) -> Any:
+    """``gm.forward`` as generated code, for a backend to return (what the graph runs per call).
+
+    NOTE: Dynamo hands backends a ``_LazyGraphModule`` whose ``forward`` before its first
+    recompile is ``_lazy_forward``: it recompiles if needed, then goes through
+    ``nn.Module.__call__`` on *every* call (microseconds per step). Dynamo swaps a returned
+    ``_lazy_forward`` for the real one (``OutputGraph.compile_and_call_fx_graph``), but cannot see
+    it inside a wrapper (nosync's guard token, a runner), so the backend recompiles here.
+    """
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if isinstance(gm, _LazyGraphModule):
+        _LazyGraphModule.force_recompile(gm)
+    return gm.forward
 
 
 def inductor_mode_options(mode: str) -> dict[str, Any]:

@@ -283,7 +283,9 @@ def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     if opts.codegen == "eager":
         if opts.cudagraphs:
             return _torch_private.lookup_backend("cudagraphs")(gm, example_inputs)
-        return cache_invariant(gm, opts).fn
+        split = cache_invariant(gm, opts)
+        # NOTE: not gm.forward: see _torch_private.graph_forward (the guard token wraps what we return)
+        return split.fn if split.modified else _torch_private.graph_forward(gm)
     patches: dict[str, Any] = {}
     if mode is not None and mode != "default":
         patches.update(_torch_private.inductor_mode_options(mode))

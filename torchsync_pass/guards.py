@@ -228,7 +228,8 @@ class ConeState:
         module = self.result.module
         assert module is not None
         with self.running():
-            value = _CONVERT[self.kind](module(*leaves))
+            # NOTE: the generated forward, not nn.Module.__call__ (microseconds per new request)
+            value = _CONVERT[self.kind](module.forward(*leaves))
         key = value_key(value)
         return memo.store(leaves, key, value)
 

@@ -348,10 +348,10 @@ class InvariantRunner:
         # The last call's answer: (grad mode, weak refs and fingerprints of its leaves, values),
         # what a memo lookup compares, checked by ``call`` without the memo.
         self.last: Optional[tuple] = None
-        # NOTE: a GraphModule's forward, not the module: nn.Module.__call__ costs microseconds per
-        # call (Dynamo's own eager backend returns gm.forward for the same reason); same ops.
-        self._invariant_fn = invariant.forward
-        step_fn = step.forward if isinstance(step, fx.GraphModule) else step
+        # NOTE: a GraphModule's generated forward, not the module: nn.Module.__call__ costs
+        # microseconds per call; same ops.
+        self._invariant_fn = _torch_private.graph_forward(invariant)
+        step_fn = _torch_private.graph_forward(step) if isinstance(step, fx.GraphModule) else step
         self.call = _fast_call_fn(self, step_fn)
 
     def __call__(self, *args: Any) -> Any:
