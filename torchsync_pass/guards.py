@@ -24,7 +24,6 @@ in the section "Demotion: the rules" below.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import itertools
@@ -35,7 +34,7 @@ import struct
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -181,11 +180,18 @@ class ConeMemo:
             self.entries = [e] + [x for x in self.entries if x is not e]
 
     def store(self, leaves: tuple, key: Any, value: Any) -> _Entry:
-        e = _Entry(tuple(weakref.ref(t) for t in leaves), _fingerprints(leaves, self.declared), key, value)
+        # Once per new request and cone: plain loops, no generators.
+        e = _Entry(tuple([weakref.ref(t) for t in leaves]), _fingerprints(leaves, self.declared), key, value)
         with self.lock:
-            self.entries = [x for x in self.entries if all(r() is not None for r in x.refs)]
-            self.entries.insert(0, e)
-            del self.entries[self.size :]
+            live = [e]
+            for x in self.entries:
+                for r in x.refs:
+                    if r() is None:
+                        break
+                else:
+                    live.append(x)
+            del live[self.size :]
+            self.entries = live
         return e
 
 
@@ -233,8 +239,7 @@ class ConeState:
         key = value_key(value)
         return memo.store(leaves, key, value)
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
+    def running(self) -> "_Running":
         """The state the cone runs in: no grad, the traced default dtype, syncs booked to the site.
 
         NOTE: a guard Dynamo runs after its global-state guard passed sees the traced grad mode,
@@ -242,16 +247,7 @@ class ConeState:
         dtype is pinned for the calls that skip that guard: ``serving.check_request``, and a
         ``guard_filter_fn`` that keeps nosync's guard but drops the global-state one.
         """
-        dtype = self.result.default_dtype
-        saved = torch.get_default_dtype()
-        if dtype is not None and dtype is not saved:
-            torch.set_default_dtype(dtype)
-        try:
-            with torch.no_grad(), guard_site(self.site):
-                yield
-        finally:
-            if dtype is not None and dtype is not saved:
-                torch.set_default_dtype(saved)
+        return _Running(self.result.default_dtype, self.site)
 
     def current(self, leaves: tuple, memo: ConeMemo) -> tuple[_Entry, bool]:
         """(entry, synced): the memoized value, or a fresh one computed with one sync."""
@@ -259,6 +255,33 @@ class ConeState:
         if e is not None:
             return e, False
         return self.evaluate(leaves, memo), True
+
+
+class _Running:
+    """:meth:`ConeState.running` as a plain context manager: it runs for every hoisted cone at every
+    new request, where a generator context manager and ``torch.no_grad()`` cost microseconds."""
+
+    __slots__ = ("dtype", "site", "saved_dtype", "saved_grad", "marker")
+
+    def __init__(self, dtype: Optional[torch.dtype], site: SiteKey) -> None:
+        self.dtype = dtype
+        self.site = site
+
+    def __enter__(self) -> None:
+        self.saved_dtype = saved = torch.get_default_dtype()
+        if self.dtype is not None and self.dtype is not saved:
+            torch.set_default_dtype(self.dtype)
+        self.saved_grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+        self.marker = guard_site(self.site)
+        self.marker.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.marker.__exit__()
+        torch.set_grad_enabled(self.saved_grad)
+        if self.dtype is not None and self.dtype is not self.saved_dtype:
+            torch.set_default_dtype(self.saved_dtype)
+        return False
 
 
 @dataclass

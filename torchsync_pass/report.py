@@ -9,13 +9,12 @@ This module is pure Python (no torch import) so the CLI can render reports cheap
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import linecache
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 
 @dataclass(frozen=True, order=True)
@@ -196,19 +195,26 @@ def decisions() -> list[Decision]:
 _guard_tls = threading.local()
 
 
-@contextlib.contextmanager
-def guard_site(site: SiteKey) -> Iterator[None]:
+class guard_site:  # noqa: N801 - used as a function: ``with guard_site(site):``
     """Marks a nosync guard re-running the cone of ``site`` (its one real sync per request).
 
     The sync counter attributes reads made inside to the hoisted line instead of Dynamo's
-    generated guard code.
+    generated guard code. (A class, not a generator context manager: it runs once per hoisted
+    cone at every new request.)
     """
-    saved = getattr(_guard_tls, "site", None)
-    _guard_tls.site = site
-    try:
-        yield
-    finally:
-        _guard_tls.site = saved
+
+    __slots__ = ("site", "saved")
+
+    def __init__(self, site: SiteKey) -> None:
+        self.site = site
+
+    def __enter__(self) -> None:
+        self.saved = getattr(_guard_tls, "site", None)
+        _guard_tls.site = self.site
+
+    def __exit__(self, *exc: Any) -> bool:
+        _guard_tls.site = self.saved
+        return False
 
 
 def current_guard_site() -> "SiteKey | None":
