@@ -86,17 +86,33 @@ def test_invariant_subgraph_runs_once_per_request_bitwise():
     assert d.leaves == ("self.table",) and "cumsum" in d.source
 
 
-def test_leaf_written_in_place_mid_request_recomputes():
-    m = Masked()
+class TwoTables(Masked):
+    """The cached mask reads two buffers: a change to either must recompute it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((8, 1), 0.5))
+
+    def forward(self, x):
+        mask = (self.table.cumsum(0) > 3.0).float() * self.scale
+        return x * mask + x.sin()
+
+
+@pytest.mark.parametrize("cls", [Masked, TwoTables])
+def test_leaf_written_in_place_mid_request_recomputes(cls):
+    m = cls()
     x = torch.randn(8, 8)
     f = compiled(m, EAGER, x)
     assert [run_both(f, m, x) for _ in range(2)] == [1, 0]
-    with torch.no_grad():
-        m.table[0, 0] = 100.0  # bumps _version: the cached mask is stale
-    assert [run_both(f, m, x) for _ in range(2)] == [1, 0]
-    m.table = torch.full((8, 8), 2.0)  # a new object
-    assert [run_both(f, m, x) for _ in range(2)] == [1, 0]
-    assert counters["nosync"]["invariant_computes"] == 4
+    names = ["table"] + (["scale"] if cls is TwoTables else [])
+    for name in names:  # each leaf in turn (the hot path compares every leaf, not the first)
+        with torch.no_grad():
+            getattr(m, name)[0, 0] = 100.0  # bumps _version: the cached mask is stale
+        assert [run_both(f, m, x) for _ in range(2)] == [1, 0]
+    for name in names:
+        setattr(m, name, torch.full_like(getattr(m, name), 2.0))  # a new object
+        assert [run_both(f, m, x) for _ in range(2)] == [1, 0]
+    assert counters["nosync"]["invariant_computes"] == 2 + 2 * len(names)
 
 
 def test_interleaved_requests_keep_their_own_cached_tensors():
@@ -311,6 +327,28 @@ def test_weights_that_require_grad_are_cached_only_declared_and_without_grad(dec
     m(x).sum().backward()
     assert_bitwise(g, m.w.grad)
     assert len(cached_decisions()) == (1 if declared else 0)
+
+
+def test_grad_mode_is_checked_per_call_when_dynamos_guards_are_dropped():
+    """A guard_filter_fn that drops every Dynamo guard (a serving engine's) also drops the
+    global-state guard, so the entry compiled under no_grad serves grad-mode calls too: the
+    runner itself must not hand those calls the tensors cached without grad (the weight's
+    gradient would be lost; with grad on they are computed with grad, as eager does)."""
+    m = Weighted()
+    f = torch.compile(m, backend="nosync", options={
+        **EAGER, "invariant": ["self.w"], "guard_filter_fn": lambda entries: [False] * len(entries)})
+    x = torch.randn(8, 8)
+    with torch.no_grad():
+        assert [run_both(f, m, x) for _ in range(3)][1:] == [0, 0]  # cached under no_grad
+    out = f(x)  # grad on, the same cache entry
+    assert out.requires_grad
+    out.sum().backward()
+    g = m.w.grad.clone()
+    m.w.grad = None
+    ref = m(x)
+    ref.sum().backward()
+    assert_bitwise(out.detach(), ref.detach())
+    assert_bitwise(g, m.w.grad)
 
 
 # --- Invariant inputs beyond buffers and declarations: the leaves nosync already guards --------
