@@ -163,6 +163,33 @@ def test_in_place_write_is_seen(write):
     assert counters["nosync"]["recompiles"] == 1
 
 
+@pytest.mark.parametrize(
+    "swap",
+    [
+        pytest.param(lambda base: base[:1], id="shape"),
+        pytest.param(lambda base: base.as_strided((2,), (2,)), id="stride"),
+    ],
+)
+def test_metadata_swapped_behind_the_version_counter_is_seen(swap):
+    """``t.data = other`` keeps the object, its ``_version`` and (here) its data pointer: only the
+    shape or strides tell the guard's fast path that the hoisted answer is stale. Dynamo's own
+    tensor guards would see it too, so they are dropped (a serving engine's filter that keeps
+    nosync's guard)."""
+    drop_all = lambda entries: [False] * len(entries)  # noqa: E731
+    step = torch.compile(flag_step, backend="nosync", options={
+        "codegen": "eager", "guard_filter_fn": torchsync_pass.keep_nosync_guards(drop_all)})
+    x = torch.arange(4.0)
+    base = torch.tensor([False, True, False, False])
+    flag = base[:2]
+    for _ in range(3):
+        assert_bitwise(step(x, flag), x * 2)
+    before = (flag.data_ptr(), flag._version)
+    flag.data = swap(base)
+    assert (flag.data_ptr(), flag._version) == before and not flag.any()
+    assert_bitwise(step(x, flag), x - 1)
+    assert_bitwise(step(x, flag), x - 1)
+
+
 def test_same_value_copy_no_recompile():
     step = Compiled(flag_step)
     x = torch.arange(4.0)

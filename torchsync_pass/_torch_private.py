@@ -45,6 +45,7 @@ private name                                                     used by
 ``torch._logging.getArtifactLogger``                             :func:`graph_break_logger`
 ``torch._dynamo.utils.get_compilation_metrics``                  :class:`CompilationWatch`
 ``torch.fx._lazy_graph_module._LazyGraphModule``                 :func:`graph_forward`
+``torch._C._dynamo.guards.TensorGuards``                         :func:`tensor_match`
 ===============================================================  ==============================
 
 NOTE: :func:`symint_hint` asks ``guarding_hint_or_throw`` only when ``node.hint`` is missing; it
@@ -61,9 +62,11 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def is_fake(x: Any) -> bool:
@@ -200,6 +203,49 @@ def graph_forward(gm: torch.fx.GraphModule) -> Any:
     if isinstance(gm, _LazyGraphModule):
         _LazyGraphModule.force_recompile(gm)
     return gm.forward
+
+
+_TENSOR_MATCH: list = []  # [bool]: TensorGuards checks sizes, strides and dtype as tensor_match says
+
+
+def tensor_match(tensors: Sequence[torch.Tensor]) -> Optional[Callable[..., bool]]:
+    """``check(*ts)``: True only when each ``ts[i]`` has the dtype, device, requires_grad, dispatch
+    keys, sizes and strides that ``tensors[i]`` has now (one C++ call: Dynamo's ``TensorGuards``,
+    what its tensor guards were built from). Identity and contents are not checked. None where
+    this torch has no such check, or for tensors it cannot describe (the caller checks in Python).
+
+    NOTE: the sizes and strides are passed as static values: ``None`` there means a dynamic dim
+    (not checked). A self-test on first use checks that a different size, stride or dtype fails.
+    """
+    if not _TENSOR_MATCH:
+        _TENSOR_MATCH.append(_tensor_match_works())
+    if not _TENSOR_MATCH[0]:
+        return None
+    try:
+        return _tensor_guards(tensors)
+    except Exception:
+        return None
+
+
+def _tensor_guards(tensors: Sequence[torch.Tensor]) -> Callable[..., bool]:
+    from torch._C._dynamo.guards import TensorGuards
+
+    tg = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.size()) for t in tensors],
+                      dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    if tg.check(*tensors) is not True:
+        raise RuntimeError("TensorGuards rejects the tensors it was built from")
+    return tg.check
+
+
+def _tensor_match_works() -> bool:
+    try:
+        a, b = torch.zeros(4, 6), torch.zeros(3, dtype=torch.int64)
+        check = _tensor_guards([a, b])
+        return (check(torch.ones(4, 6), b) is True and not check(a[:, :5], b) and not check(a.t(), b)
+                and not check(a.double(), b) and not check(a, b[:2]) and not check(a.reshape(24), b))
+    except Exception:
+        log.debug("nosync: TensorGuards unusable; leaf metadata is checked in Python", exc_info=True)
+        return False
 
 
 def inductor_mode_options(mode: str) -> dict[str, Any]:

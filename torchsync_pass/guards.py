@@ -104,6 +104,41 @@ def _fingerprints(leaves: tuple, declared: Any) -> tuple:
     return tuple([_fp_declared(t) if d else _fp_versioned(t) for t, d in zip(leaves, declared)])
 
 
+# The fast paths ("the very leaves of the last call, unchanged": the fused guard, the invariant
+# runner) compare the same fingerprint split in two: version and data pointer in Python, and
+# dtype, sizes and strides (with device, requires_grad and dispatch keys: stricter, so a fast path
+# falls back to the memo more often, never less) in one C++ call, ``_torch_private.tensor_match``.
+# Where that is unavailable the key holds the full fingerprints and no check.
+_VP_VERSIONED = "{t}._version, {t}.data_ptr()"
+_VP_DECLARED = "{t}.is_inference() or {t}._version, {t}.data_ptr()"
+
+
+def fast_key(leaves: tuple, declared: Any) -> tuple:
+    """``(values, check)``: what :func:`same_call_expr` compares the leaves of a later call with."""
+    check = _torch_private.tensor_match(leaves)
+    if check is None:
+        return _fingerprints(leaves, declared), None
+    values: list = []
+    for t, d in zip(leaves, declared):
+        values.append(t.is_inference() or t._version if d else t._version)
+        values.append(t.data_ptr())
+    return tuple(values), check
+
+
+def same_call_expr(names: list[str], declared: Any, refs: str, key: str) -> str:
+    """A Python expression: the leaves bound to ``names`` are the objects the weak references
+    ``refs`` point to, unchanged since ``key = fast_key(...)`` was taken (identity first, so a
+    fingerprint is read only from the very objects it was taken from)."""
+    def tup(items: list[str]) -> str:
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+    same = " and ".join(f"{refs}[{i}]() is {t}" for i, t in enumerate(names))
+    full = tup([(_FP_DECLARED if d else _FP_VERSIONED).format(t=t) for t, d in zip(names, declared)])
+    split = tup([(_VP_DECLARED if d else _VP_VERSIONED).format(t=t) for t, d in zip(names, declared)])
+    return (f"({same}) and ({key}[0] == {full} if {key}[1] is None else "
+            f"({key}[1]({', '.join(names)}) and {key}[0] == {split}))")
+
+
 def bits_state() -> tuple:
     """The global state besides the inputs that changes the bits a cone computes.
 
@@ -644,7 +679,7 @@ class SiteCheck:
         states = [chk.state for chk in checks]
         c = counters()
         n = len(checks)
-        last: list = [None, None, False]  # weak refs, fingerprint of the last passing call, booked
+        last: list = [None, None, False]  # weak refs, fast_key of the last passing call, booked
         threads = checks[0].bits[0]  # one compile: every check has the same bits_state()
         get_num_threads = torch.get_num_threads
         same_call = _same_call_fn(len(sources), tuple(declared))
@@ -675,7 +710,7 @@ class SiteCheck:
                     return False
             if not dynamo_hooks.compiling():
                 last[0] = tuple(weakref.ref(t) for t in leaves)
-                last[1] = _fingerprints(leaves, declared)
+                last[1] = fast_key(leaves, declared)
                 last[2] = False
             return True
 
@@ -686,7 +721,8 @@ _SAME_CALL: dict = {}
 
 
 def _same_call_fn(n: int, declared: tuple) -> Callable[[tuple, tuple, tuple], bool]:
-    """``same(refs, fps, leaves)``: the leaves are the referenced objects, fingerprints unchanged.
+    """``same(refs, key, leaves)``: the leaves are the referenced objects, unchanged since
+    ``key = fast_key(leaves, declared)``.
 
     Generated straight-line code for ``n`` leaves (this runs on every call of a compiled step).
     """
@@ -694,11 +730,8 @@ def _same_call_fn(n: int, declared: tuple) -> Callable[[tuple, tuple, tuple], bo
     if fn is not None:
         return fn
     names = [f"t{i}" for i in range(n)]
-    lines = [f"def same(refs, fps, leaves):", f"    {', '.join(names)}{',' if n == 1 else ''} = leaves"]
-    lines.append("    if not (" + " and ".join(f"refs[{i}]() is t{i}" for i in range(n)) + "):")
-    lines.append("        return False")
-    fps = [(_FP_DECLARED if d else _FP_VERSIONED).format(t=f"t{i}") for i, d in enumerate(declared)]
-    lines.append("    return fps == (" + ", ".join(fps) + ("," if n == 1 else "") + ")")
+    lines = [f"def same(refs, key, leaves):", f"    {', '.join(names)}{',' if n == 1 else ''} = leaves",
+             "    return " + same_call_expr(names, declared, "refs", "key")]
     env: dict = {}
     exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
     fn = env["same"]

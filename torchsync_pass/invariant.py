@@ -78,7 +78,7 @@ import torch
 from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, rewrite, symbolic
-from .guards import _FP_VERSIONED, MEMO_SIZE, ConeMemo, counters
+from .guards import MEMO_SIZE, ConeMemo, counters, fast_key, same_call_expr
 from .report import DECISIONS, Action, Decision, Reason, SiteKey
 
 log = logging.getLogger(__name__)
@@ -343,9 +343,9 @@ class InvariantRunner:
         self.step = step
         self.leaf_index = leaf_index
         self.size = size
-        declared = (False,) * len(leaf_index)  # inference leaves never reach the memo (see miss)
-        self.memos = {True: ConeMemo(declared, size), False: ConeMemo(declared, size)}
-        # The last call's answer: (grad mode, weak refs and fingerprints of its leaves, values),
+        self.declared = (False,) * len(leaf_index)  # inference leaves never reach the memo (see miss)
+        self.memos = {True: ConeMemo(self.declared, size), False: ConeMemo(self.declared, size)}
+        # The last call's answer: (grad mode, weak refs and guards.fast_key of its leaves, values),
         # what a memo lookup compares, checked by ``call`` without the memo.
         self.last: Optional[tuple] = None
         # NOTE: a GraphModule's generated forward, not the module: nn.Module.__call__ costs
@@ -374,14 +374,14 @@ class InvariantRunner:
             counters()["invariant_computes"] += 1
             e = memo.store(leaves, None, tuple(self._invariant_fn(*leaves)))
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
-        self.last = (grad, e.refs, e.fps, e.value)
+        self.last = (grad, e.refs, fast_key(leaves, self.declared), e.value)
         return e.value
 
 
 def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable[..., Any]:
     """``call(*args)``: the step with the last call's values when this call's leaves are the very
-    objects of the last call, with the same fingerprint (version, data pointer, shape, stride,
-    dtype: :data:`torchsync_pass.guards._FP_VERSIONED`) under the same grad mode; otherwise
+    objects of the last call, unchanged (version, data pointer, and metadata:
+    :func:`torchsync_pass.guards.same_call_expr`) under the same grad mode; otherwise
     ``runner.miss``. What a memo lookup would answer, without the lookup.
 
     Generated straight-line code for the runner's leaf positions (this runs on every step): no
@@ -394,10 +394,7 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable
     if index:
         names = [f"t{i}" for i in range(len(index))]
         lines.append(f"        {', '.join(names)} = " + ", ".join(f"args[{i}]" for i in index))
-        lines.append("        refs = last[1]")
-        lines.append("        if (" + " and ".join(f"refs[{k}]() is {t}" for k, t in enumerate(names))
-                     + ") and last[2] == (" + ", ".join(_FP_VERSIONED.format(t=t) for t in names)
-                     + ("," if len(index) == 1 else "") + "):")
+        lines.append("        if " + same_call_expr(names, runner.declared, "last[1]", "last[2]") + ":")
         indent = "            "
     else:
         indent = "        "  # values computed from no input at all (``torch.arange``): the same every call
