@@ -170,11 +170,17 @@ def test_in_place_write_is_seen(write):
         pytest.param(lambda base: base.as_strided((2,), (2,)), id="stride"),
     ],
 )
-def test_metadata_swapped_behind_the_version_counter_is_seen(swap):
+@pytest.mark.parametrize("in_cpp", [True, False], ids=["TensorGuards", "python"])
+def test_metadata_swapped_behind_the_version_counter_is_seen(swap, in_cpp, monkeypatch):
     """``t.data = other`` keeps the object, its ``_version`` and (here) its data pointer: only the
     shape or strides tell the guard's fast path that the hoisted answer is stale. Dynamo's own
     tensor guards would see it too, so they are dropped (a serving engine's filter that keeps
-    nosync's guard)."""
+    nosync's guard). Both ways of checking metadata: one C++ call, and Python (a torch without
+    TensorGuards)."""
+    if not in_cpp:
+        from torchsync_pass import _torch_private
+
+        monkeypatch.setattr(_torch_private, "tensor_match", lambda tensors: None)
     drop_all = lambda entries: [False] * len(entries)  # noqa: E731
     step = torch.compile(flag_step, backend="nosync", options={
         "codegen": "eager", "guard_filter_fn": torchsync_pass.keep_nosync_guards(drop_all)})
