@@ -313,3 +313,14 @@ def test_truthiness_of_ints_and_nan_and_a_returned_fresh_select():
     n = run_steps(step, fn, lambda s: (x, torch.tensor([s % 3, 1 - 2 * (s % 2)]), torch.tensor([floats[s]])), steps=6)
     assert n == 0
     assert len({d.site for d in decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)}) == 3
+
+
+@torch.no_grad()
+def test_select_branches_false_keeps_the_sync():
+    torch._dynamo.reset()
+    model = PadOrEmbed().eval()
+    fn = torch.compile(model, backend=NosyncBackend({"codegen": "eager", "select_branches": False}))
+    assert run_steps(model, fn, lambda s: (tokens_of(s),)) == 6
+    assert not decisions(Action.REWRITTEN)
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match="select_branches"):
+        NosyncBackend({"select_branches": "no"})

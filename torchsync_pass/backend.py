@@ -44,6 +44,7 @@ class Options:
     strict: bool = False
     cudagraphs: bool = False
     invariant_cache_bytes: Optional[int] = None  # None: DEFAULT_CACHE_BYTES with codegen="eager", 0 (off) with Inductor
+    select_branches: bool = True  # a step-varying branch between tensors: both arms run, torch.where selects
 
     @classmethod
     def from_dict(cls, options: Optional[dict]) -> "Options":
@@ -84,7 +85,7 @@ def _check(name: str, value: Any) -> Any:
         if value not in CODEGENS:
             raise bad(" or ".join(repr(c) for c in CODEGENS))
         return value
-    if name in ("verify", "strict", "cudagraphs"):
+    if name in ("verify", "strict", "cudagraphs", "select_branches"):
         if not isinstance(value, bool):
             raise bad("True or False")
         return value

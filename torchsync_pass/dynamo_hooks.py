@@ -311,9 +311,14 @@ def _ask_policy(tx: Any, var: Any, kind: str) -> tuple[bool, Any, Optional[SyncS
 _warned: set = set()
 
 
+def option(options: Any, name: str, default: Any) -> Any:
+    """One option of a frame's raw nosync options (a dict, or backend.Options)."""
+    return options.get(name, default) if isinstance(options, dict) else getattr(options, name, default)
+
+
 def _describe_failed(kind: str, options: Any, exc: Exception) -> None:
     """A sync could not be described (a Dynamo internal moved): never a silent no-op."""
-    strict = options.get("strict") if isinstance(options, dict) else getattr(options, "strict", False)
+    strict = option(options, "strict", False)
     message = (f"nosync: could not describe a sync site ({kind}; {type(exc).__name__}: {exc}); "
                "it is left to stock Dynamo, not hoisted")
     if strict is True:
@@ -1156,7 +1161,8 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
     """Trace the jump at ``inst`` on a step-varying tensor test as a select between its arms (see
     Note [Rewriting a branch as a select]). True when done: the test is popped and the translator
     stands at the join with the merged state. False: the jump takes the ordinary path."""
-    if _rewriter is None or site is None or push or getattr(_state, "in_stock", False):
+    if (_rewriter is None or site is None or push or getattr(_state, "in_stock", False)
+            or option(site.options, "select_branches", True) is False):
         return False
     value = tx.stack[-1]
     ex = value.as_proxy().node.meta.get("example_value")
