@@ -324,3 +324,153 @@ def test_select_branches_false_keeps_the_sync():
     assert not decisions(Action.REWRITTEN)
     with pytest.raises(torchsync_pass.NosyncOptionsError, match="select_branches"):
         NosyncBackend({"select_branches": "no"})
+
+
+# --- found by review: each case gave another result than eager before its fix ---
+TABLE = torch.arange(12).reshape(4, 3)
+
+
+class FrozenPad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pad = nn.Parameter(torch.zeros(3), requires_grad=False)
+
+    def forward(self, x, t):
+        y = self.pad if t[0] > 0 else x * 2
+        return y + 1, isinstance(y, nn.Parameter)
+
+
+class _Cfg:
+    pass
+
+
+def _signed_zero(x, t):  # two float constants that are == but not the same value
+    return x * (0.0 if t[0] > 0 else -0.0)
+
+
+def _one_object_twice(x, t):  # eager returns one object under two names
+    a, b = x * 2, x * 3
+    if t[0] > 0:
+        y = a
+        w = a
+    else:
+        y = b
+        w = b
+    return y, w
+
+
+def _two_selects(x, t):  # two selects of the same arms: eager's results may be one object
+    a, b = x * 2, x + 1
+    outs = []
+    for i in range(2):
+        outs.append(a if t[i] > 0 else b)
+    return outs
+
+
+def _test_is_an_arm(x, t):
+    m = t[0] > 0
+    y = m if m else x[0] > 2.5
+    m.fill_(False)  # eager's y is m: it sees the write
+    return y.clone()
+
+
+def _identity_in_subscript(x, t):
+    pad = x * 0
+    rows = [pad if t[0] > 0 else x * 2]
+    return rows[0] * 1, pad is rows[0]
+
+
+def _identity_in_generator(x, t):
+    pad = x * 0
+    y = pad if t[0] > 0 else x * 2
+    return y + 1, any(r is pad for r in [y])
+
+
+def _identity_by_id(x, t):
+    pad = x * 0
+    y = pad if t[0] > 0 else x * 2
+    return y + 1, id(y) == id(pad)
+
+
+def _embedding_weight_first(x, t):  # torch.embedding(weight, indices): the indices are masked
+    return torch.embedding(TABLE, t * 2).float().sum() if t[0] > 0 else x.sum()
+
+
+def _try_in_one_arm(x, t):
+    if t[0] > 0:
+        y = x * 2
+        try:
+            return y + _Cfg.scale
+        except AttributeError:
+            return y
+    else:
+        y = x * 3
+        return y + _Cfg.scale
+
+
+def _tensor_attribute(x, t):
+    a, b = x * 2, x * 3
+    a.scale, b.scale = 10.0, 20.0
+    y = a if t[0] > 0 else b
+    return y * y.scale
+
+
+def _bool_remainder(x, t):  # remainder of bools is not implemented: raises where eager takes the arm
+    m, k = x > 1, x > 2
+    return torch.remainder(m, k) if t[0] > 0 else torch.logical_and(m, k)
+
+
+def _int_frac(x, t):  # frac of ints is not implemented
+    return torch.frac(x.long()) if t[0] > 0 else x.long() * 2
+
+
+def _outcome(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the same exception type is the expected outcome
+        return type(e)
+
+
+def _same(a, b):
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or (a.dtype, a.shape, a.stride()) != (b.dtype, b.shape, b.stride()):
+            return False
+        bits = {torch.float32: torch.int32, torch.float64: torch.int64}.get(a.dtype)
+        return torch.equal(a.view(bits), b.view(bits)) if bits else torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("step, x, t_of, expect", [
+    (_signed_zero, torch.tensor([1.0, 2.0]), None, None),
+    (_one_object_twice, torch.arange(3.0), None, "aliases"),
+    (_two_selects, torch.arange(3.0), lambda s: torch.tensor([[1, 1], [-1, 1], [1, -1], [-1, -1]][s % 4]), "aliases"),
+    (_test_is_an_arm, torch.arange(3.0), None, None),
+    (_identity_in_subscript, torch.arange(3.0), None, Reason.BRANCH_IDENTITY),
+    (_identity_in_generator, torch.arange(3.0), None, Reason.BRANCH_IDENTITY),
+    (_identity_by_id, torch.arange(3.0), None, Reason.BRANCH_IDENTITY),
+    (_embedding_weight_first, torch.arange(3.0), lambda s: torch.tensor([[1, 1], [-1, 7]][s % 2]), None),
+    (_try_in_one_arm, torch.arange(3.0), None, None),
+    (_tensor_attribute, torch.arange(3.0), None, None),
+    (_bool_remainder, torch.arange(4.0), None, None),
+    (_int_frac, torch.arange(4.0), None, None),
+    (FrozenPad(), torch.arange(3.0), None, None),
+], ids=lambda v: getattr(v, "__name__", type(v).__name__) if callable(v) else None)
+@torch.no_grad()
+def test_select_is_never_told_apart_from_eager(step, x, t_of, expect):
+    """Each step, every call: the same result as eager (bits, dtype, shape, stride, the same
+    exception type), and the same aliasing between results when the caller writes one of them."""
+    torch._dynamo.reset()
+    fn = compiled(step)
+    t_of = t_of or (lambda s: torch.tensor([[1], [-1]][s % 2]))
+    for s in range(8):
+        t = t_of(s)
+        want, got = _outcome(step, x.clone(), t.clone()), _outcome(fn, x.clone(), t.clone())
+        assert _same(want, got), (s, want, got)
+        if expect == "aliases":
+            want[0].add_(100)
+            got[0].add_(100)
+            assert _same(want, got), (s, "after the caller wrote the first result", want, got)
+    if isinstance(expect, Reason):
+        assert decisions(Action.KEPT, expect)

@@ -32,6 +32,7 @@ private name                                                     used by
 ``torch._ops.HigherOrderOperator``                               :func:`is_higher_order_op`
 ``untyped_storage()._cdata``                                     :func:`storage_id`
 ``Tensor._is_view``                                              :func:`is_view`
+``torch._guards.TracingContext.get_traced_code``                 :func:`traced_code`
 ``node.meta["example_value"]`` (Dynamo's traced value)           :func:`example_value`
 ``profile.kineto_results``                                       :func:`profiler_events`
 ``torch._dynamo.utils.counters["nosync"]``                       :func:`nosync_counters`
@@ -273,6 +274,14 @@ def is_higher_order_op(t: Any) -> bool:
 def storage_id(t: torch.Tensor) -> int:
     """An id of the storage behind ``t``, equal for views of the same storage."""
     return t.untyped_storage()._cdata
+
+
+def traced_code() -> list:
+    """The code objects Dynamo traced for the graph being compiled (the frame and every function
+    it inlined); empty outside a compile."""
+    from torch._guards import TracingContext
+
+    return list(TracingContext.get_traced_code() or [])
 
 
 def is_view(t: torch.Tensor) -> bool:

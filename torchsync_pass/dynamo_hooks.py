@@ -38,6 +38,7 @@ import logging
 import operator
 import os
 import re
+import struct
 import sys
 import threading
 import types
@@ -1050,10 +1051,16 @@ def _run_from(tx: Any, start: int) -> Optional[list]:
     return None
 
 
+def _handler(inst: Any) -> Any:
+    """The exception handler an instruction runs under (None outside any try or with block)."""
+    entry = getattr(inst, "exn_tab_entry", None)
+    return None if entry is None else (entry.target, entry.depth, entry.lasti)
+
+
 def _same_inst(a: Any, b: Any) -> bool:
     if a is b:
         return True
-    if a.opname != b.opname:
+    if a.opname != b.opname or _handler(a) != _handler(b):
         return False
     if a.target is not None or b.target is not None:
         return a.target is b.target
@@ -1076,27 +1083,17 @@ def _branch_arms(tx: Any, inst: Any) -> tuple[list, list, Any]:
         raise BranchRefused("BRANCH_FORM", "the arms never join (each returns, raises or loops on its own)")
     join = a[len(a) - k]
     cores = [[i for i in run[: len(run) - k] if i.opname != "JUMP_FORWARD"] for run in (a, b)]
-    for i in cores[0] + cores[1]:
-        if i.opname not in _ARM_OPS:
+    for i in cores[0] + cores[1] + [join]:
+        if i.opname not in _ARM_OPS and i is not join:
             raise BranchRefused("BRANCH_FORM", f"an arm has a {i.opname} instruction (only loads, calls, operators "
                                 "and stores to locals are traced in both arms)")
+        if _handler(i) != _handler(inst):
+            raise BranchRefused("BRANCH_FORM", "an arm or the join runs under another exception handler than the "
+                                "test (a try block in one arm)")
     for core in cores:
         if core and core[-1].opname in ("KW_NAMES", "PUSH_NULL", "PRECALL"):
             raise BranchRefused("BRANCH_FORM", "the arms join inside a call")
     return cores[0], cores[1], join
-
-
-def _compares_identity(tx: Any) -> bool:
-    """Does the function, or a caller, use ``is`` other than against a constant (``x is None``)?
-    (Anywhere in it: a loop runs the code before the branch after it too.)"""
-    t = tx
-    while t is not None:
-        insts = t.instructions
-        for k, inst in enumerate(insts):
-            if inst.opname == "IS_OP" and not any(j >= 0 and insts[j].opname == "LOAD_CONST" for j in (k - 1, k - 2)):
-                return True
-        t = getattr(t, "parent", None)
-    return False
 
 
 def _trace_arm(tx: Any, core: list, stack: list, local_vars: dict) -> tuple[list, dict, list]:
@@ -1136,8 +1133,10 @@ def _refuse_side_effect(item: Any) -> "NoReturn":
                         "(the arm eager skips would run too)")
 
 
-def _select_values(tx: Any, a: Any, b: Any, where: str) -> None:
-    """Check that the arms' differing values ``a``, ``b`` can be selected bitwise."""
+def _select_values(tx: Any, a: Any, b: Any, where: str, side_effects: Any) -> None:
+    """Check that the arms' differing values ``a``, ``b`` can be selected bitwise, and that nothing
+    but their bits can tell eager's object from the select (its class, Python attributes, lazy
+    conjugate or negative bits)."""
     if not (a.is_tensor() and b.is_tensor()):
         raise BranchRefused("BRANCH_VALUES", f"{where} is a {a.python_type_name()} in one arm and a "
                             f"{b.python_type_name()} in the other (only tensors are selected on the device)")
@@ -1155,6 +1154,26 @@ def _select_values(tx: Any, a: Any, b: Any, where: str) -> None:
     if ea.requires_grad or eb.requires_grad:
         raise BranchRefused("BRANCH_VALUES", f"{where} requires grad (the select would send gradients "
                             "to the arm eager skips)")
+    for v, e in ((a, ea), (b, eb)):
+        if v.python_type() is not torch.Tensor:
+            raise BranchRefused("BRANCH_VALUES", f"{where} is a {v.python_type().__name__} in an arm (isinstance "
+                                "and type() of the select would differ; a buffer is a plain tensor)")
+        if e.is_conj() or e.is_neg():
+            raise BranchRefused("BRANCH_VALUES", f"{where} is a lazy conjugate or negative view in an arm")
+        if v in side_effects.store_attr_mutations or _real_attrs(v):
+            raise BranchRefused("BRANCH_VALUES", f"{where} carries Python attributes in an arm (the select "
+                                "would not)")
+
+
+def _real_attrs(v: Any) -> bool:
+    """Does the real tensor of a graph input carry Python attributes (``t.scale = 2``)?"""
+    node = v.as_proxy().node
+    if node.op != "placeholder":
+        return False
+    from ._torch_private import traced_example
+
+    real, _ = traced_example(node)
+    return any(not k.startswith("_dynamo") for k in getattr(real, "__dict__", None) or ())  # (Dynamo's own marks)
 
 
 def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Optional[SyncSite]) -> bool:
@@ -1174,9 +1193,6 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
     use = RewriteUse("branch", "", 0)
     try:
         arm_a, arm_b, join = _branch_arms(tx, inst)
-        if _compares_identity(tx):
-            raise BranchRefused("BRANCH_IDENTITY", "the function or a caller compares objects with `is` (the "
-                                "selected tensor is a copy, not the arm's object)")
     except BranchRefused as e:
         _rewriter.refuse_branch(site, e.reason, e.detail)
         return False
@@ -1218,7 +1234,7 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
             a, b = sa[k], sb[k]
             if a is b or (not (a.is_tensor() and b.is_tensor()) and _equivalent(a, b)):
                 continue
-            _select_values(tx, a, b, where)
+            _select_values(tx, a, b, where, side_effects)
             merged.append((sa, k, a, b))
         masks = _rewriter.branch_plan(nodes_a, nodes_b)
         # the index of an index op in an arm eager may skip: 0 (in range) unless its arm is taken
@@ -1234,10 +1250,13 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
                 with graph.inserting_before(node):
                     safe = op(torch.where, taken[arm_true].as_proxy(), torch.fx.Proxy(index, out.current_tracer), 0)
                 node.replace_input_with(index, safe.as_proxy().node)
+        selects: dict = {}  # one select per pair: two names of one object stay one object
         for sa, k, a, b in merged:
-            va, vb = (a, b) if fall_when_true else (b, a)
-            sel = op(torch.where, cond.as_proxy(), va.as_proxy(), vb.as_proxy())
-            sel.as_proxy().node.meta[REWRITE_META] = dataclasses.replace(use, length=len(merged))
+            sel = selects.get((id(a), id(b)))
+            if sel is None:
+                va, vb = (a, b) if fall_when_true else (b, a)
+                sel = selects[(id(a), id(b))] = op(torch.where, cond.as_proxy(), va.as_proxy(), vb.as_proxy())
+                sel.as_proxy().node.meta[REWRITE_META] = dataclasses.replace(use, length=len(merged))
             sa[k] = sel
     except Exception as e:
         from torch._dynamo.exc import RestartAnalysis
@@ -1281,6 +1300,8 @@ def _equivalent(a: Any, b: Any, depth: int = 0) -> bool:
                                               if k not in _WHERE_MADE)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_equivalent(x, y, depth + 1) for x, y in zip(a, b))
+    if isinstance(a, (float, complex)):  # 0.0 == -0.0, but they are two values
+        return struct.pack("<2d", a.real, a.imag) == struct.pack("<2d", b.real, b.imag)
     if isinstance(a, _PLAIN) or isinstance(a, Source):
         try:
             return bool(a == b)

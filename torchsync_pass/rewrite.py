@@ -46,9 +46,12 @@ gives the new answer.
 from __future__ import annotations
 
 import dataclasses
+import dis
+import functools
 import logging
 import operator
 import threading
+import types
 from typing import Any, Optional
 
 import torch
@@ -98,22 +101,34 @@ def _with_site(use: dynamo_hooks.RewriteUse, site: dynamo_hooks.SyncSite) -> dyn
 # A branch selected on the device (Note [Rewriting a branch as a select] in dynamo_hooks)
 # --------------------------------------------------------------------------------------------
 # Both arms run, so every op in the arm eager skips must be unable to raise or change state because
-# of the values it reads; shape and dtype errors show at trace time (on fake tensors), and random
-# or in-place ops are refused. Value-safe: views and layout, conversions, matmuls, norms and
-# reductions of static shape, and pointwise ops (aten's ``pointwise`` tag) on floating point. On
-# integer tensors the pointwise ops that raise for some values are refused (division and remainder
-# by zero, a negative power).
-_ARM_SAFE = frozenset({
+# of the values it reads. Shape errors and the dtype checks of meta functions show at trace time (on
+# fake tensors), and random or in-place ops are refused; what is left raises in the kernel only: a
+# value (an index out of range: masked, below; an integer division by zero; a negative integer
+# power) or a dtype the kernel does not implement (``remainder`` of bools, ``frac`` of ints, which
+# the fake tensors let through). So: views, layout and conversions on any dtype; on floating point
+# (32, 64, 16 bits), matmuls, norms, reductions of static shape and the pointwise ops (aten's
+# ``pointwise`` tag); on integers, bools and complex numbers, only comparison, logic, addition,
+# multiplication, selection and clamping (_ANY_DTYPE).
+_LAYOUT = frozenset({
     "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "unsqueeze", "squeeze",
     "expand", "expand_as", "contiguous", "clone", "narrow", "select", "split", "chunk", "unbind", "flip",
-    "repeat", "to", "type_as", "float", "half", "bfloat16", "double", "long", "int", "stack", "cat",
-    "size", "dim", "linear", "matmul", "mm", "bmm", "addmm", "layer_norm", "group_norm", "rms_norm",
-    "softmax", "log_softmax", "sum", "mean", "amax", "amin", "cumsum", "truediv", "neg", "pos",
-    "relu", "gelu", "silu", "mish", "softplus", "hardtanh", "leaky_relu", "elu",
+    "repeat", "to", "type_as", "float", "half", "bfloat16", "double", "long", "int", "bool", "stack", "cat",
+    "size", "dim",
 })
-_INT_RAISES = frozenset({"div", "truediv", "floordiv", "floor_divide", "remainder", "mod", "fmod", "pow",
-                         "true_divide", "divide", "float_power", "__floordiv__", "__mod__", "__pow__"})
-_INDEX_OPS = {"embedding": (0, 1), "index_select": (2, 0), "getitem": (1, 0), "index": (1, 0)}
+_FLOAT_SAFE = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "layer_norm", "group_norm", "rms_norm", "softmax",
+    "log_softmax", "sum", "mean", "amax", "amin", "cumsum", "truediv", "neg", "pos", "relu", "gelu", "silu",
+    "mish", "softplus", "hardtanh", "leaky_relu", "elu",
+})
+_ANY_DTYPE = frozenset({
+    "add", "mul", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
+    "logical_not", "bitwise_and", "bitwise_or", "bitwise_xor", "and_", "or_", "xor", "where", "minimum",
+    "maximum", "clamp",
+})
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# (position of the index, position of the indexed tensor); torch.embedding takes (weight, indices),
+# torch.nn.functional.embedding (input, weight)
+_INDEX_OPS = {"embedding": (1, 0), "index_select": (2, 0), "getitem": (1, 0), "index": (1, 0)}
 MAX_ARM_OPS = 32  # ops traced per arm: the arm eager skips costs device work at every step
 
 
@@ -130,12 +145,15 @@ def _index_of(n: torch.fx.Node, name: str) -> Optional[tuple[torch.fx.Node, int]
     """(the index node, the size of the dimension it indexes) of an index op, else None."""
     if name not in _INDEX_OPS:
         return None
-    pos, table_pos = _INDEX_OPS[name]
+    pos, table_pos = (0, 1) if n.target is torch.nn.functional.embedding else _INDEX_OPS[name]
+    if name == "embedding" and n.target not in (torch.nn.functional.embedding, torch.embedding,
+                                                torch.ops.aten.embedding.default):
+        return None
     if name == "index" and n.target is not torch.ops.aten.index.Tensor:
         return None
     if name == "getitem" and n.target is not operator.getitem:
         return None
-    idx = n.args[pos] if len(n.args) > pos else n.kwargs.get("input" if name == "embedding" else "index")
+    idx = n.args[pos] if len(n.args) > pos else None
     if name == "index":
         idx = idx[0] if isinstance(idx, (list, tuple)) and len(idx) == 1 else None
     table = cone._example(n.args[table_pos]) if len(n.args) > table_pos else None
@@ -201,7 +219,7 @@ class Rewriter:
                                   "(the arm eager skips would run too)")
                 index = _index_of(n, name)
                 if index is not None:
-                    if index[1] == 0 or (name == "embedding" and any(
+                    if index[1] == 0 or (n.target is torch.nn.functional.embedding and any(
                             v is not None for v in list(n.args[3:4]) + [n.kwargs.get("max_norm")])):
                         raise refused("BRANCH_MAY_RAISE", f"{name} in an arm cannot be masked (an empty "
                                       "table, or max_norm writes the weight)")
@@ -209,13 +227,13 @@ class Rewriter:
                     continue
                 if n.op == "get_attr" or (name == "getitem" and _static_key(n.args[1])):
                     continue
+                if name in _LAYOUT or name in _ANY_DTYPE:
+                    continue
                 exs = [cone._example(x) for x in n.all_input_nodes] + [cone._example(n)]
-                ints = any(isinstance(e, torch.Tensor) and not (e.is_floating_point() or e.is_complex()
-                                                                 or e.dtype == torch.bool) for e in exs)
-                if ints and name in _INT_RAISES:
-                    raise refused("BRANCH_MAY_RAISE", f"{name} on integer tensors in an arm can raise for "
-                                  "some values (division by zero, a negative power)")
-                if name not in _ARM_SAFE and not _pointwise(name):
+                if any(isinstance(e, torch.Tensor) and e.dtype not in _FLOATS for e in exs):
+                    raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} on integer, bool or complex tensors "
+                                  "(it may raise for some values or dtypes where eager skips the arm)")
+                if name not in _FLOAT_SAFE and not _pointwise(name):
                     raise refused("BRANCH_MAY_RAISE", f"an arm runs {name}, which nosync cannot show never "
                                   "raises for the values of the arm eager skips")
         return masks
@@ -268,7 +286,8 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
         branch = use.form == "branch"  # torch.where(test, a, b): a and b are eager's objects
         table = row.args[0]
         stacked = not branch and _use(table) is not None
-        tables = list(row.all_input_nodes[1:]) if branch else table.all_input_nodes if stacked else [table]
+        tables = ([a for a in row.args[1:3] if isinstance(a, torch.fx.Node)] if branch
+                  else table.all_input_nodes if stacked else [table])
         table_keys = {cone._storage_key(cone._example(t)) for t in tables} - {None}
         # a list's stack is shared by the reads after it: a write to a listed tensor after the
         # stack would be missed by every later read (eager reads the tensor itself)
@@ -294,6 +313,17 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
                 _kept[use.site_key] = (Reason.REWRITE_ALIASED, problem)
             _record(use, Action.KEPT, Reason.REWRITE_ALIASED, problem, compile_id)
             dynamo_hooks.restart_analysis(f"nosync: {use.site}: {problem}; keeping the sync")
+    branch_rows = [r for r in rows if _use(r).form == "branch"]
+    used = _identity_use(tuple(_torch_private.traced_code())) if branch_rows else None
+    if used is not None:
+        problem = (f"{used} compares objects by identity (`is`, id()): a select is a copy, not the arm's "
+                   "object; checked over every function traced into this graph")
+        with _lock:
+            for r in branch_rows:
+                _kept[_use(r).site_key] = (Reason.BRANCH_IDENTITY, problem)
+        for r in branch_rows:
+            _record(_use(r), Action.KEPT, Reason.BRANCH_IDENTITY, problem, compile_id)
+        dynamo_hooks.restart_analysis(f"nosync: {_use(branch_rows[0]).site}: {problem}; keeping the sync")
     reads: dict[tuple, list] = {}
     for row in rows:
         reads.setdefault(_use(row).site_key, []).append(_use(row))
@@ -311,15 +341,42 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
 
 def _fresh_arms(row: torch.fx.Node, arms: list, returned: list, inputs: set) -> bool:
     """Is a returned select indistinguishable from eager's arm: each arm a tensor the graph made,
-    not a view, whose memory is returned only through the select (returned once)?"""
+    not a view, read by this select alone, whose memory is returned only through it (once)?"""
     key = cone._storage_key(cone._example(row))
     if returned.count(key) != 1:
         return False
     for a in arms:
         ex, k = cone._example(a), cone._storage_key(cone._example(a))
-        if k is None or k in inputs or k in returned or not isinstance(ex, torch.Tensor) or _torch_private.is_view(ex):
-            return False
+        if (k is None or k in inputs or k in returned or not isinstance(ex, torch.Tensor)
+                or _torch_private.is_view(ex) or len(a.users) != 1):
+            return False  # (an arm read elsewhere, e.g. by another select, could be eager's other result)
     return True
+
+
+_CONST_OPERAND = ("LOAD_CONST", "LOAD_SMALL_INT")
+_PUSH_ONE = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME", "LOAD_CONST")
+
+
+@functools.lru_cache(maxsize=4096)
+def _identity_in(code: types.CodeType) -> Optional[str]:
+    """'file:line' of the first ``is`` / ``is not`` in ``code`` (or a function, lambda or
+    comprehension it defines) not against a literal (``x is None``), or of a use of ``id``."""
+    insts = list(dis.get_instructions(code))
+    for k, ins in enumerate(insts):
+        const = k >= 1 and (insts[k - 1].opname in _CONST_OPERAND or (
+            k >= 2 and insts[k - 1].opname in _PUSH_ONE and insts[k - 2].opname in _CONST_OPERAND))
+        if (ins.opname == "IS_OP" and not const) or (
+                ins.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF") and ins.argval == "id"):
+            line = ins.positions.lineno if ins.positions is not None and ins.positions.lineno else code.co_firstlineno
+            return f"{code.co_filename}:{line}"
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType) and (found := _identity_in(c)) is not None:
+            return found
+    return None
+
+
+def _identity_use(codes: tuple) -> Optional[str]:
+    return next((found for c in codes if (found := _identity_in(c)) is not None), None)
 
 
 def _requires_grad(n: torch.fx.Node) -> bool:
