@@ -1022,6 +1022,7 @@ _ARM_OPS = frozenset({
 })
 _RUN_ENDS = frozenset({"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE", "JUMP_BACKWARD",
                        "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"})
+_UNCONDITIONAL = frozenset({"JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"})
 MAX_BRANCH_RUN = 512  # instructions followed from each arm's start to find the join
 
 
@@ -1063,7 +1064,9 @@ def _same_inst(a: Any, b: Any) -> bool:
     if a.opname != b.opname or _handler(a) != _handler(b):
         return False
     if a.target is not None or b.target is not None:
-        return a.target is b.target
+        # an unconditional jump is the same jump when it goes to the same place; a conditional one
+        # only when it is the same instruction (its fall-through code is not compared)
+        return a.opname in _UNCONDITIONAL and a.target is b.target
     try:
         return a.arg == b.arg and type(a.argval) is type(b.argval) and bool(a.argval == b.argval)
     except Exception:

@@ -354,19 +354,21 @@ def _fresh_arms(row: torch.fx.Node, arms: list, returned: list, inputs: set) -> 
 
 
 _CONST_OPERAND = ("LOAD_CONST", "LOAD_SMALL_INT")
+_NAME_LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_ATTR", "LOAD_METHOD", "IMPORT_FROM")
 _PUSH_ONE = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME", "LOAD_CONST")
 
 
 @functools.lru_cache(maxsize=4096)
 def _identity_in(code: types.CodeType) -> Optional[str]:
-    """'file:line' of the first ``is`` / ``is not`` in ``code`` (or a function, lambda or
-    comprehension it defines) not against a literal (``x is None``), or of a use of ``id``."""
+    """'file:line' of the first ``is`` / ``is not`` / ``in`` in ``code`` (or a function, lambda or
+    comprehension it defines) not against a literal (``x is None``, ``"k" in d``), or of a use of
+    ``id`` / ``operator.is_`` / ``is_not``."""
     insts = list(dis.get_instructions(code))
     for k, ins in enumerate(insts):
         const = k >= 1 and (insts[k - 1].opname in _CONST_OPERAND or (
             k >= 2 and insts[k - 1].opname in _PUSH_ONE and insts[k - 2].opname in _CONST_OPERAND))
-        if (ins.opname == "IS_OP" and not const) or (
-                ins.opname in ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF") and ins.argval == "id"):
+        if (ins.opname in ("IS_OP", "CONTAINS_OP") and not const) or (
+                ins.opname in _NAME_LOADS and ins.argval in ("id", "is_", "is_not")):
             line = ins.positions.lineno if ins.positions is not None and ins.positions.lineno else code.co_firstlineno
             return f"{code.co_filename}:{line}"
     for c in code.co_consts:
