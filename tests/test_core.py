@@ -196,6 +196,57 @@ def test_metadata_swapped_behind_the_version_counter_is_seen(swap, in_cpp, monke
     assert_bitwise(step(x, flag), x - 1)
 
 
+
+
+def sign_step(x, r):
+    if (r.real.sum() + r.imag.sum() if r.is_complex() else r.sum()) > 0:
+        return x * 2
+    return x - 1
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+@pytest.mark.parametrize("in_cpp", [True, False], ids=["TensorGuards", "python"])
+def test_conj_or_neg_bit_swapped_behind_the_version_counter_is_seen(bit, in_cpp, monkeypatch):
+    """``t.data = c.conj()`` (or the negative-bit view ``c.conj().imag``) keeps the object, its
+    ``_version``, data pointer, shape, stride and dtype: only the dispatch keys differ. The fast
+    path sees them and falls back to the memo, whose fingerprint must see them too (it did not:
+    the stale hoisted answer was served), with Dynamo's guards kept and with them dropped."""
+    if not in_cpp:
+        from torchsync_pass import _torch_private
+
+        monkeypatch.setattr(_torch_private, "tensor_match", lambda tensors: None)
+    drop_all = lambda entries: [False] * len(entries)  # noqa: E731
+    for options in ({"codegen": "eager"},
+                    {"codegen": "eager", "guard_filter_fn": torchsync_pass.keep_nosync_guards(drop_all)}):
+        torch._dynamo.reset()
+        step = torch.compile(sign_step, backend="nosync", options=options)
+        x = torch.arange(4.0)
+        c = torch.tensor([1 + 2j, 0 + 1j], dtype=torch.complex64)
+        r = c if bit == "conj" else c.imag  # 1 + 3 > 0, 3 > 0
+        for _ in range(3):
+            assert_bitwise(step(x, r), x * 2)
+        before = (r._version, r.data_ptr(), r.shape, r.stride(), r.dtype)
+        r.data = c.conj() if bit == "conj" else c.conj().imag  # 1 - 3 < 0, -3 < 0
+        assert (r._version, r.data_ptr(), r.shape, r.stride(), r.dtype) == before
+        assert_bitwise(sign_step(x, r), x - 1)
+        assert_bitwise(step(x, r), x - 1)
+        assert_bitwise(step(x, r), x - 1)
+
+
+def test_tensor_guards_self_test_passes_under_a_float64_default():
+    """The C++ fast path's self-test runs once per process, at the first use, under whatever
+    default dtype is current: its test tensors were built with the default dtype, so under float64
+    ``a.double()`` was not a different dtype, the self-test failed and the fast path stayed off
+    for the whole process."""
+    from torchsync_pass import _torch_private
+
+    try:
+        torch.set_default_dtype(torch.float64)
+        works = _torch_private._tensor_match_works()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert works
+
 def test_same_value_copy_no_recompile():
     step = Compiled(flag_step)
     x = torch.arange(4.0)

@@ -351,6 +351,97 @@ def test_grad_mode_is_checked_per_call_when_dynamos_guards_are_dropped():
     assert_bitwise(g, m.w.grad)
 
 
+
+def drop_all() -> dict:
+    """Options that drop every Dynamo guard (a serving engine's filter); a new dict per compile
+    (torch.compile pops ``guard_filter_fn`` from the one it is given)."""
+    return {**EAGER, "guard_filter_fn": lambda entries: [False] * len(entries)}
+
+
+class Squared(nn.Module):
+    """A buffer whose invariant work saves a tensor for backward (mul): reusing it after a backward
+    raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(8.0) / 7.0)
+
+    def forward(self, x):
+        return x * (self.table * self.table).cumsum(0)
+
+
+def test_leaf_that_starts_to_require_grad_is_recomputed_with_grad():
+    """Dynamo's guards dropped, a buffer's requires_grad flips on after the work was cached: the
+    memo key (no requires_grad) served the grad-less cached tensor (no gradient reached the leaf),
+    and a cached tensor with grad would be freed by the first backward."""
+    m = Squared()
+    f = torch.compile(m, backend="nosync", options=drop_all())
+    x = torch.ones(8)
+    assert [run_both(f, m, x) for _ in range(3)][1:] == [0, 0]
+    m.table.requires_grad_(True)
+    for _ in range(2):  # the second backward: no cached autograd graph freed by the first
+        out = f(x)
+        out.sum().backward()
+        g = m.table.grad
+        m.table.grad = None
+        ref = m(x)
+        ref.sum().backward()
+        assert_bitwise(out.detach(), ref.detach())
+        assert g is not None
+        assert_bitwise(g, m.table.grad)
+        m.table.grad = None
+    assert counters["stats"]["unique_graphs"] == 1  # the scenario: no recompile, the runner's own check
+
+
+class BigSum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(2_000_003, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return x + self.table.sum()
+
+
+def test_thread_count_is_checked_per_call_when_dynamos_guards_are_dropped():
+    """A 2M-element sum differs in its bits between 1 and 2 threads; the hoisted guard checks the
+    thread count, and so must the runner when Dynamo's global-state guard is dropped."""
+    m, x = BigSum(), torch.zeros(4)
+    saved = torch.get_num_threads()
+    try:
+        sums = {}
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            sums[n] = m.table.sum()
+        if torch.equal(sums[1], sums[2]):
+            pytest.skip("this build sums 2M floats to the same bits with 1 and 2 threads")
+        f = torch.compile(m, backend="nosync", options=drop_all())
+        with torch.no_grad():
+            for n in (2, 2, 2, 1, 1, 2, 1):
+                torch.set_num_threads(n)
+                assert_bitwise(f(x), m(x))
+    finally:
+        torch.set_num_threads(saved)
+    assert counters["stats"]["unique_graphs"] == 1  # the scenario: no recompile, the runner's own check
+
+
+def ramp(x):
+    return x + torch.linspace(0, 1, 8).cumsum(0)
+
+
+def test_default_dtype_is_checked_per_call_when_dynamos_guards_are_dropped():
+    """Work with no leaf at all (a factory op without a dtype) depends on the default dtype: the
+    runner served the float32 cached tensor under a float64 default."""
+    f = torch.compile(ramp, backend="nosync", options=drop_all())
+    x = torch.zeros(8)
+    try:
+        for dtype in (torch.float32, torch.float32, torch.float32, torch.float64, torch.float64, torch.float32):
+            torch.set_default_dtype(dtype)
+            assert_bitwise(f(x), ramp(x))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert cached_decisions() and counters["nosync"]["invariant_hits"] >= 2
+    assert counters["stats"]["unique_graphs"] == 1  # the scenario: no recompile, the runner's own check
+
 # --- Invariant inputs beyond buffers and declarations: the leaves nosync already guards --------
 
 

@@ -240,10 +240,13 @@ def _tensor_guards(tensors: Sequence[torch.Tensor]) -> Callable[..., bool]:
 
 def _tensor_match_works() -> bool:
     try:
-        a, b = torch.zeros(4, 6), torch.zeros(3, dtype=torch.int64)
+        # NOTE: explicit dtype and device: under a float64 default (or another default device)
+        # the checks below would not differ from ``a`` and the fast path would be off for good
+        cpu, f32 = torch.device("cpu"), torch.float32
+        a, b = torch.zeros(4, 6, dtype=f32, device=cpu), torch.zeros(3, dtype=torch.int64, device=cpu)
         check = _tensor_guards([a, b])
-        return (check(torch.ones(4, 6), b) is True and not check(a[:, :5], b) and not check(a.t(), b)
-                and not check(a.double(), b) and not check(a, b[:2]) and not check(a.reshape(24), b))
+        return (check(torch.ones(4, 6, dtype=f32, device=cpu), b) is True and not check(a[:, :5], b)
+                and not check(a.t(), b) and not check(a.to(torch.float64), b) and not check(a, b[:2]) and not check(a.reshape(24), b))
     except Exception:
         log.debug("nosync: TensorGuards unusable; leaf metadata is checked in Python", exc_info=True)
         return False

@@ -90,12 +90,15 @@ def _hoistable(v: Any, depth: int = 0) -> bool:
 # ----------------------------------------------------------------------------------------------
 # What identifies a leaf's contents without reading them. Written once, as expressions over ``t``:
 # _fingerprints, the memo lookup and the generated fast path (_same_call_fn) all use these.
+# Besides version, data pointer, shape, stride and dtype: device, requires_grad and the conjugate
+# and negative bits (``t.data = t.conj()`` keeps all the others; a leaf whose requires_grad flips
+# needs a cached value with its autograd graph), so the memo is never looser than the fast path.
 # An undeclared leaf: ``_version`` raises on an inference tensor, so the guard fails closed.
-_FP_VERSIONED = "({t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype)"
+_FP_VERSIONED = "({t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype, {t}.device, {t}.requires_grad, {t}.is_conj(), {t}.is_neg())"
 # A declared leaf, decided per tensor (never per cone: one argument can be an inference tensor on
 # one call and an ordinary one on the next): an inference tensor has no ``_version``, it is checked
 # by identity and metadata only (the user promised no in-place writes); any other by its version.
-_FP_DECLARED = "({t}.is_inference() or {t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype)"
+_FP_DECLARED = "({t}.is_inference() or {t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype, {t}.device, {t}.requires_grad, {t}.is_conj(), {t}.is_neg())"
 _fp_versioned = eval("lambda t: " + _FP_VERSIONED.format(t="t"))  # noqa: S307 - constant source
 _fp_declared = eval("lambda t: " + _FP_DECLARED.format(t="t"))  # noqa: S307 - constant source
 

@@ -12,8 +12,10 @@ step. :func:`cache_invariant` splits the graph nosync hands to codegen into
 
 :class:`InvariantRunner` runs the invariant part once per request and keeps its results in a small
 LRU memo keyed like a hoisted value (:class:`torchsync_pass.guards.ConeMemo`: weak identity,
-``_version``, data pointer, shape, stride and dtype of every leaf), one memo per grad mode. A write
-to a leaf, a new leaf object or the other grad mode misses and recomputes. The cached tensors are
+``_version``, data pointer, shape, stride, dtype, device, requires_grad and conjugate/negative bits
+of every leaf), one memo per grad mode, :func:`torchsync_pass.guards.bits_state` (thread count, ...)
+and default dtype. A write to a leaf, a new leaf object or another global state misses and
+recomputes; under grad mode, a leaf that requires grad is recomputed on every call (never cached). The cached tensors are
 the same eager ops on the same inputs, so with ``codegen="eager"`` the outputs stay bitwise equal
 to eager.
 
@@ -78,7 +80,7 @@ import torch
 from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, rewrite, symbolic
-from .guards import MEMO_SIZE, ConeMemo, counters, fast_key, same_call_expr
+from .guards import MEMO_SIZE, ConeMemo, bits_state, counters, fast_key, same_call_expr
 from .report import DECISIONS, Action, Decision, Reason, SiteKey
 
 log = logging.getLogger(__name__)
@@ -344,9 +346,14 @@ class InvariantRunner:
         self.leaf_index = leaf_index
         self.size = size
         self.declared = (False,) * len(leaf_index)  # inference leaves never reach the memo (see miss)
-        self.memos = {True: ConeMemo(self.declared, size), False: ConeMemo(self.declared, size)}
-        # The last call's answer: (grad mode, weak refs and guards.fast_key of its leaves, values),
-        # what a memo lookup compares, checked by ``call`` without the memo.
+        # One memo per global state that changes the invariant part's bits: grad mode,
+        # guards.bits_state() (the thread count, ...) and the default dtype (a factory op without a
+        # dtype, ``torch.linspace``), checked here even when a guard_filter_fn drops Dynamo's
+        # global-state guard.
+        self.memos: dict[tuple, ConeMemo] = {}
+        # The last call's answer: (grad mode, weak refs and guards.fast_key of its leaves, values,
+        # thread count, default dtype), what a memo lookup compares, checked by ``call`` without
+        # the memo.
         self.last: Optional[tuple] = None
         # NOTE: a GraphModule's generated forward, not the module: nn.Module.__call__ costs
         # microseconds per call; same ops.
@@ -361,12 +368,18 @@ class InvariantRunner:
         """The values for a call that is not the last one's: memo lookup, or the invariant part."""
         leaves = tuple([args[i] for i in self.leaf_index])
         grad = torch.is_grad_enabled()
-        if any(t.is_inference() for t in leaves):
+        if any(t.is_inference() for t in leaves) or (grad and any(t.requires_grad for t in leaves)):
             # NOTE: declared inference tensors have no _version; the identity-only memo would be the
-            # user's promise, which the step's own writes could break: recompute instead.
+            # user's promise, which the step's own writes could break: recompute instead. A leaf
+            # that requires grad under grad mode (``requires_grad_(True)`` after the compile, with
+            # Dynamo's guards dropped): the values carry this call's autograd graph, which a
+            # backward frees, so they are never reused.
             counters()["invariant_computes"] += 1
             return tuple(self._invariant_fn(*leaves))
-        memo = self.memos[grad]
+        state = (grad, bits_state(), torch.get_default_dtype())
+        memo = self.memos.get(state)
+        if memo is None:
+            memo = self.memos[state] = ConeMemo(self.declared, self.size)
         e = memo.lookup(leaves)
         if e is not None:
             counters()["invariant_hits"] += 1
@@ -374,14 +387,15 @@ class InvariantRunner:
             counters()["invariant_computes"] += 1
             e = memo.store(leaves, None, tuple(self._invariant_fn(*leaves)))
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
-        self.last = (grad, e.refs, fast_key(leaves, self.declared), e.value)
+        self.last = (grad, e.refs, fast_key(leaves, self.declared), e.value, state[1][0], state[2])
         return e.value
 
 
 def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable[..., Any]:
     """``call(*args)``: the step with the last call's values when this call's leaves are the very
     objects of the last call, unchanged (version, data pointer, and metadata:
-    :func:`torchsync_pass.guards.same_call_expr`) under the same grad mode; otherwise
+    :func:`torchsync_pass.guards.same_call_expr`) under the same grad mode, thread count and
+    default dtype; otherwise
     ``runner.miss``. What a memo lookup would answer, without the lookup.
 
     Generated straight-line code for the runner's leaf positions (this runs on every step): no
@@ -390,7 +404,9 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable
     it is never the object of a stored call (see ``miss``).
     """
     index = runner.leaf_index
-    lines = ["def call(*args):", "    last = runner.last", "    if last is not None and last[0] is is_grad_enabled():"]
+    lines = ["def call(*args):", "    last = runner.last",
+             "    if (last is not None and last[0] is is_grad_enabled() and last[4] == get_num_threads()",
+             "            and last[5] is get_default_dtype()):"]
     if index:
         names = [f"t{i}" for i in range(len(index))]
         lines.append(f"        {', '.join(names)} = " + ", ".join(f"args[{i}]" for i in index))
@@ -401,6 +417,7 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable
     lines.append(indent + 'counters()["invariant_hits"] += 1')
     lines.append(indent + "return step(*args, *last[3])")
     lines.append("    return step(*args, *runner.miss(args))")
-    env = {"runner": runner, "step": step, "counters": counters, "is_grad_enabled": torch.is_grad_enabled}
+    env = {"runner": runner, "step": step, "counters": counters, "is_grad_enabled": torch.is_grad_enabled,
+           "get_num_threads": torch.get_num_threads, "get_default_dtype": torch.get_default_dtype}
     exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
     return env["call"]
