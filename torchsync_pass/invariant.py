@@ -145,14 +145,27 @@ def _enters_global_state(graph: fx.Graph) -> bool:
     return False
 
 
-def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx.Node], dict[fx.Node, str], set[int]]:
-    """(invariant nodes, leaf names, leaf storages)."""
+def _written_storages(graph: fx.Graph) -> set[int]:
+    """The storages (of the trace's fake values) that an op of ``graph`` writes in place."""
     written: set[int] = set()
     for n in graph.nodes:
         for w in cone.written_nodes(n):
             key = cone._storage_key(cone._example(w))
             if key is not None:
                 written.add(key)
+    return written
+
+
+def _written_inputs(graph: fx.Graph) -> tuple[int, ...]:
+    """The positions of the tensor placeholders whose memory ``graph`` writes in place."""
+    written = _written_storages(graph)
+    return tuple(i for i, p in enumerate(graph.find_nodes(op="placeholder"))
+                 if cone._storage_key(cone._example(p)) in written)
+
+
+def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx.Node], dict[fx.Node, str], set[int]]:
+    """(invariant nodes, leaf names, leaf storages)."""
+    written = _written_storages(graph)
     output = next(iter(graph.find_nodes(op="output")))
     for o in cone._nodes_in(output.args):
         key = cone._storage_key(cone._example(o))
@@ -258,7 +271,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
     if compile_step is not None:
         step = compile_step(step_gm, _step_examples(inv_gm, leaf_index, cached, example_inputs))
     size = max(1, min(MEMO_SIZE, limit // max(total, 1)))
-    runner = InvariantRunner(inv_gm, step, leaf_index, size)
+    runner = InvariantRunner(inv_gm, step, leaf_index, size, _written_inputs(graph), gm)
     return InvariantSplit(True, runner.call, decisions, skipped, runner, step_gm)
 
 
@@ -340,11 +353,17 @@ class InvariantRunner:
     """
 
     def __init__(self, invariant: fx.GraphModule, step: Callable[..., Any], leaf_index: tuple[int, ...],
-                 size: int) -> None:
+                 size: int, written: tuple[int, ...] = (), whole: Optional[fx.GraphModule] = None) -> None:
         self.invariant = invariant
         self.step = step
         self.leaf_index = leaf_index
         self.size = size
+        # The inputs the graph writes in place, and the unsplit graph (its FX forward: eager ops)
+        # for a call where one of them shares memory with a leaf (a view of a buffer passed as an
+        # argument the step writes before the leaf is read: values computed before the step ran
+        # would be stale). Never at trace time (such a leaf is not invariant), only at run time.
+        self.written = written if whole is not None else ()
+        self._whole_fn = _torch_private.graph_forward(whole) if whole is not None and written else None
         self.declared = (False,) * len(leaf_index)  # inference leaves never reach the memo (see miss)
         # One memo per global state that changes the invariant part's bits: grad mode,
         # guards.bits_state() (the thread count, ...) and the default dtype (a factory op without a
@@ -363,6 +382,19 @@ class InvariantRunner:
 
     def __call__(self, *args: Any) -> Any:
         return self.call(*args)
+
+    def aliased(self, args: tuple) -> bool:
+        """Does an input the graph writes share memory (its storage) with a leaf on this call?"""
+        try:
+            leaves = {args[i].untyped_storage().data_ptr() for i in self.leaf_index}
+            return any(isinstance(args[w], torch.Tensor) and args[w].untyped_storage().data_ptr() in leaves
+                       for w in self.written)
+        except Exception:
+            return True  # cannot tell: the unsplit graph is right either way
+
+    def run_whole(self, args: tuple) -> Any:
+        counters()["invariant_aliased_calls"] += 1
+        return self._whole_fn(*args)
 
     def miss(self, args: tuple) -> Any:
         """The values for a call that is not the last one's: memo lookup, or the invariant part."""
@@ -404,7 +436,11 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable
     it is never the object of a stored call (see ``miss``).
     """
     index = runner.leaf_index
-    lines = ["def call(*args):", "    last = runner.last",
+    lines = ["def call(*args):"]
+    if runner.written:  # only a graph that writes an input pays for this check
+        lines.append("    if runner.aliased(args):")
+        lines.append("        return runner.run_whole(args)")
+    lines += ["    last = runner.last",
              "    if (last is not None and last[0] is is_grad_enabled() and last[4] == get_num_threads()",
              "            and last[5] is get_default_dtype()):"]
     if index:
