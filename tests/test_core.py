@@ -247,6 +247,31 @@ def test_tensor_guards_self_test_passes_under_a_float64_default():
         torch.set_default_dtype(torch.float32)
     assert works
 
+
+def zeroes_then_branches(x, flag, y):
+    x.zero_()
+    if flag.any():
+        return y * 2
+    return y - 1
+
+
+def test_argument_aliasing_a_hoisted_leaf_written_before_the_sync():
+    """An argument the frame writes in place is, on one call, a view of the hoisted leaf (not at
+    trace time). The guard computed the hoisted value before the frame ran, eager reads the leaf
+    after the write: the guard must fail for such a call (a recompile, whose trace sees the
+    aliasing and does not hoist)."""
+    step = torch.compile(zeroes_then_branches, backend="nosync", options={"codegen": "eager"})
+    y = torch.arange(4.0)
+    flag, ref = torch.tensor([True, True]), torch.tensor([True, True])
+    for _ in range(3):
+        assert_bitwise(step(torch.ones(2, dtype=torch.bool), flag, y), y * 2)
+    assert_bitwise(step(flag[:], flag, y), zeroes_then_branches(ref[:], ref, y))  # y - 1
+    assert_bitwise(flag, ref)
+    for value in (True, False, True):
+        flag.fill_(value)
+        assert_bitwise(step(torch.ones(2, dtype=torch.bool), flag, y), y * 2 if value else y - 1)
+        assert_bitwise(step(flag[:], flag, y), y - 1)
+
 def test_same_value_copy_no_recompile():
     step = Compiled(flag_step)
     x = torch.arange(4.0)

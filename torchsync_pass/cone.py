@@ -385,6 +385,27 @@ def mark_hoisted(result: ConeResult, owner: Any = None) -> None:
             n.meta.setdefault(HOISTED_LEAF_META, []).append(owner)
 
 
+def written_storages(graph: fx.Graph) -> set[int]:
+    """The storages (of the trace's fake values) that an op of ``graph`` writes in place."""
+    written: set[int] = set()
+    for n in graph.nodes:
+        for w in written_nodes(n):
+            key = _storage_key(_example(w))
+            if key is not None:
+                written.add(key)
+    return written
+
+
+def hoisted_leaf_storages(graph: fx.Graph) -> set[int]:
+    """The storages of the placeholders that are leaves of a hoisted sync (:func:`mark_hoisted`)."""
+    out: set[int] = set()
+    for n in graph.find_nodes(op="placeholder"):
+        key = _storage_key(_example(n)) if n.meta.get(HOISTED_LEAF_META) else None
+        if key is not None:
+            out.add(key)
+    return out
+
+
 def hidden_writes_to_hoisted(graph: fx.Graph) -> list[tuple[Any, str]]:
     """``(owner, what)`` for each hoisted leaf that an op of the whole graph writes without bumping
     its version counter (a batch norm in training mode *after* the sync).

@@ -39,7 +39,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _torch_private, dynamo_hooks
-from .cone import ConeResult, analyze_cone, hidden_writes_to_hoisted, mark_hoisted
+from .cone import (HOISTED_LEAF_META, ConeResult, _example, _storage_key, analyze_cone, hidden_writes_to_hoisted,
+                   hoisted_leaf_storages, mark_hoisted, written_storages)
 from .errors import NosyncOptionsError
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
 
@@ -477,7 +478,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
 
     srcs = [l.source for l in result.leaves]
     mark_hoisted(dataclasses.replace(result, nodes=traced_nodes), owner=(key, fp))
-    check = SiteCheck(state, cone, spec, srcs, bits)
+    check = SiteCheck(state, cone, spec, srcs, bits, _written_inputs_of(compile_id))
     _register_check(site.frame_code, check)
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r}")
     _record(state, Action.HOISTED, Reason.INVARIANT_CONE,
@@ -563,11 +564,88 @@ def _reject(state: SiteState, reason: Reason, detail: str, compile_id: Optional[
 _FAILURES = itertools.count()
 
 
+class WrittenInputs:
+    """The inputs (other than hoisted leaves) that the graph of one compile writes in place, as a
+    getter over the frame's ``L, G``: filled by :func:`guard_written_inputs` once the backend has
+    the whole graph, read by every guard of that compile."""
+
+    __slots__ = ("getter", "__weakref__")
+
+    def __init__(self) -> None:
+        self.getter: Optional[Callable[[Any, Any], tuple]] = None
+
+    def alias(self, L: Any, G: Any, leaves: tuple) -> bool:
+        """Does one of these inputs share memory (its storage) with a leaf on this call?"""
+        if self.getter is None:
+            return False
+        try:
+            ptrs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+            return any(isinstance(w, torch.Tensor) and w.untyped_storage().data_ptr() in ptrs
+                       for w in self.getter(L, G))
+        except Exception:
+            return True  # cannot tell: fail the guard (a recompile), never a stale value
+
+
+_written_by_compile: "weakref.WeakValueDictionary[Any, WrittenInputs]" = weakref.WeakValueDictionary()
+
+
+def _written_inputs_of(compile_id: Optional[str]) -> WrittenInputs:
+    with _lock:
+        w = _written_by_compile.get(compile_id) if compile_id is not None else None
+        if w is None:
+            w = WrittenInputs()
+            if compile_id is not None:
+                _written_by_compile[compile_id] = w
+    return w
+
+
+def guard_written_inputs(graph: Any, compile_id: Optional[str]) -> None:
+    """Make the guards of this compile fail on a call where an input the graph writes in place
+    shares memory with a hoisted leaf (a view of the leaf passed as that argument): the guard
+    computes the hoisted value before the frame runs, eager reads the leaf after the write.
+
+    NOTE: an input whose traced value already shared a leaf's storage is not checked: the cone
+    analysis saw that aliasing (and a graph that writes a leaf itself bumps its version).
+    """
+    with _lock:
+        holder = _written_by_compile.get(compile_id)
+    if holder is None:
+        return
+    leaves = hoisted_leaf_storages(graph)
+    if not leaves:
+        return
+    written = written_storages(graph)
+    sources = []
+    for p in graph.find_nodes(op="placeholder"):
+        key = _storage_key(_example(p))
+        if key is None or key not in written or key in leaves:
+            continue
+        leaf = dynamo_hooks.leaf_of(p)
+        if leaf is None:  # no source a guard can read: the sites of this graph are not hoisted
+            _demote_graph_sites(graph, f"graph input {p.name} is written in place and has no source "
+                                "a guard can read to check that it does not alias a leaf", compile_id)
+            return
+        sources.append(leaf.source)
+    if sources:
+        holder.getter = dynamo_hooks.leaf_getter(sources)
+
+
+def _demote_graph_sites(graph: Any, what: str, compile_id: Optional[str]) -> None:
+    for p in graph.find_nodes(op="placeholder"):
+        for key, _ in p.meta.get(HOISTED_LEAF_META) or ():
+            with _lock:
+                state = _sites.get(key)
+            if state is not None and state.demoted is None:
+                _demote(state, Reason.HIDDEN_WRITER, what, compile_id)
+
+
 class SiteCheck:
     """The guard of one cache entry of one site: ``check(L, G) -> bool``, True when unchanged."""
 
-    def __init__(self, state: SiteState, cone: ConeState, spec: Spec, sources: list[str], bits: tuple) -> None:
+    def __init__(self, state: SiteState, cone: ConeState, spec: Spec, sources: list[str], bits: tuple,
+                 written: Optional[WrittenInputs] = None) -> None:
         self.state = state
+        self.written = written if written is not None else WrittenInputs()
         self.cone = cone
         self.spec = spec
         self.sources = list(sources)
@@ -585,6 +663,8 @@ class SiteCheck:
         except Exception:
             log.debug("nosync guard for %s: a leaf no longer resolves", self.state.site, exc_info=True)
             return self._fail("a leaf no longer resolves")
+        if self.written.alias(L, G, leaves):
+            return self._fail_aliased()
         return self.check_leaves(leaves)
 
     def check_leaves(self, leaves: tuple) -> bool:
@@ -649,6 +729,9 @@ class SiteCheck:
         # the memo of this entry holds values computed under another count
         return self._fail(f"the thread count changed ({self.bits[0]} -> {torch.get_num_threads()})")
 
+    def _fail_aliased(self) -> bool:
+        return self._fail("an argument the graph writes in place shares memory with a hoisted leaf")
+
     def _fail_demoted(self) -> bool:
         reason = self.state.demoted
         return self._fail(f"site demoted ({reason.name if reason is not None else '?'}), not a value change")
@@ -686,6 +769,7 @@ class SiteCheck:
         threads = checks[0].bits[0]  # one compile: every check has the same bits_state()
         get_num_threads = torch.get_num_threads
         same_call = _same_call_fn(len(sources), tuple(declared))
+        written = checks[0].written  # one compile: every check has the same
 
         def run(L: Any, G: Any) -> bool:
             if get_num_threads() != threads:
@@ -695,6 +779,8 @@ class SiteCheck:
             except Exception:
                 log.debug("nosync guard: a leaf no longer resolves", exc_info=True)
                 return checks[0]._fail("a leaf no longer resolves")
+            if written.getter is not None and written.alias(L, G, leaves):
+                return checks[0]._fail_aliased()
             refs = last[0]
             if refs is not None and same_call(refs, last[1], leaves):
                 for st in states:

@@ -145,27 +145,16 @@ def _enters_global_state(graph: fx.Graph) -> bool:
     return False
 
 
-def _written_storages(graph: fx.Graph) -> set[int]:
-    """The storages (of the trace's fake values) that an op of ``graph`` writes in place."""
-    written: set[int] = set()
-    for n in graph.nodes:
-        for w in cone.written_nodes(n):
-            key = cone._storage_key(cone._example(w))
-            if key is not None:
-                written.add(key)
-    return written
-
-
 def _written_inputs(graph: fx.Graph) -> tuple[int, ...]:
     """The positions of the tensor placeholders whose memory ``graph`` writes in place."""
-    written = _written_storages(graph)
+    written = cone.written_storages(graph)
     return tuple(i for i, p in enumerate(graph.find_nodes(op="placeholder"))
                  if cone._storage_key(cone._example(p)) in written)
 
 
 def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx.Node], dict[fx.Node, str], set[int]]:
     """(invariant nodes, leaf names, leaf storages)."""
-    written = _written_storages(graph)
+    written = cone.written_storages(graph)
     output = next(iter(graph.find_nodes(op="output")))
     for o in cone._nodes_in(output.args):
         key = cone._storage_key(cone._example(o))

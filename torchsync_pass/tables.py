@@ -61,6 +61,8 @@ from .guards import (
     SiteCheck,
     SiteState,
     Spec,
+    WrittenInputs,
+    _written_inputs_of,
     _new_value_demotion,
     _hoistable,
     _record,
@@ -165,8 +167,9 @@ class TableConeState(ConeState):
 class TableCheck(SiteCheck):
     """The guard of one cache entry of a lifted site: the answer at the frame's index, no sync."""
 
-    def __init__(self, state: SiteState, cone: TableConeState, spec: Spec, sources: list[str], bits: tuple) -> None:
-        super().__init__(state, cone, spec, sources, bits)
+    def __init__(self, state: SiteState, cone: TableConeState, spec: Spec, sources: list[str], bits: tuple,
+                 written: Optional[WrittenInputs] = None) -> None:
+        super().__init__(state, cone, spec, sources, bits, written)
         self.getter = dynamo_hooks.leaf_getter(self.sources + [cone.index_source])
 
     def check_leaves(self, leaves: tuple) -> bool:
@@ -275,7 +278,7 @@ def lift(state: SiteState, site: dynamo_hooks.SyncSite, opts: Any, compile_id: O
         cone.specs[key] = spec
     cone.last_spec = spec
     mark_hoisted(dataclasses.replace(result, nodes=traced_nodes), owner=(site_key, fp))
-    check = TableCheck(state, cone, spec, [l.source for l in result.leaves], bits)
+    check = TableCheck(state, cone, spec, [l.source for l in result.leaves], bits, _written_inputs_of(compile_id))
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r} at {name}")
     detail = (f"lifted over {name} in 0..{len(mirror.keys) - 1}: {len(distinct)} distinct answer(s)"
               + ("; speculated invariant" if result.speculative else ""))
