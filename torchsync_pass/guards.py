@@ -352,6 +352,7 @@ def reset(keep_decisions: bool = False) -> None:
     with _lock:
         _sites.clear()
         _checks_by_code.clear()
+        _written_by_compile.clear()  # compile ids start again after torch._dynamo.reset()
         _recorded.clear()
         _budget_frames.clear()
         _recompiles_seen.clear()
