@@ -145,8 +145,6 @@ def test_if_without_else_and_special_bits():
 @torch.no_grad()
 def test_branches_that_cannot_run_both_arms_keep_their_sync():
     torch._dynamo.reset()
-    table = torch.arange(12.0).reshape(4, 3)
-
     def early_exit(x, t):  # an arm leaves the loop: the arms never join
         for i in range(t.shape[0]):
             if t[i] > 0:
@@ -172,7 +170,7 @@ def test_branches_that_cannot_run_both_arms_keep_their_sync():
         return y, len(out)
 
     def returned(x, t):  # eager returns x itself; a select would return a copy
-        return x if t[0] > 0 else table[0]
+        return x if t[0] > 0 else x * 2
 
     cases = [(early_exit, Reason.BRANCH_FORM), (shapes_differ, Reason.BRANCH_VALUES),
              (int_division, Reason.BRANCH_MAY_RAISE), (side_effect, Reason.BRANCH_SIDE_EFFECT),
@@ -423,6 +421,23 @@ def _nested_if(x, t):  # Python 3.12+ lays each arm's inner `if` out on its own:
     return torch.stack(out)
 
 
+def _iterator_in_arm(x, t):  # next() advances the iterator only where eager takes the arm
+    it = iter(range(100))
+    out = []
+    for i in range(t.shape[0]):
+        out.append(x * next(it) if t[i] > 0 else x - 1)
+    return torch.stack(out)
+
+
+def _bitwise_on_float(x, t):  # the CPU kernel has no float bitwise_or (the fake tensors let it through)
+    return torch.bitwise_or(x, x) if t[0] > 0 else x * 2
+
+
+def _view_arm(x, t):  # eager's y is a view (its _base is x)
+    y = x[1] if t[0] > 0 else x[0] * 2
+    return y * 1, y._base is None
+
+
 def _embedding_weight_first(x, t):  # torch.embedding(weight, indices): the indices are masked
     return torch.embedding(TABLE, t * 2).float().sum() if t[0] > 0 else x.sum()
 
@@ -485,6 +500,9 @@ def _same(a, b):
     (_identity_by_in, torch.tensor([3.0]), None, Reason.BRANCH_IDENTITY),  # (one element: == is one bool)
     (_nested_if, torch.arange(3.0), lambda s: torch.tensor([[1, -1], [-1, 1], [1, 1], [-1, -1]][s % 4]), None),
     (_embedding_weight_first, torch.arange(3.0), lambda s: torch.tensor([[1, 1], [-1, 7]][s % 2]), None),
+    (_iterator_in_arm, torch.arange(3.0), lambda s: torch.tensor([[1, -1, 1], [-1, 1, 1]][s % 2]), None),
+    (_bitwise_on_float, torch.arange(3.0), None, None),
+    (_view_arm, torch.arange(6.0).reshape(2, 3), None, None),
     (_try_in_one_arm, torch.arange(3.0), None, None),
     (_tensor_attribute, torch.arange(3.0), None, None),
     (_bool_remainder, torch.arange(4.0), None, None),
@@ -508,3 +526,47 @@ def test_select_is_never_told_apart_from_eager(step, x, t_of, expect):
             assert _same(want, got), (s, "after the caller wrote the first result", want, got)
     if isinstance(expect, Reason):  # (or never selected: torch 2.11 breaks the graph at id() itself)
         assert decisions(Action.KEPT, expect) or not decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)
+
+
+@torch.no_grad()
+def test_an_input_written_later_may_share_the_arms_memory():
+    """Compiled with separate inputs, then called with ``w`` a view of the arm ``a``: eager's ``y``
+    is ``a`` and sees the write; a select's copy would not."""
+    torch._dynamo.reset()
+
+    def step(a, b, w, t):
+        y = a if t[0] > 0 else b
+        w.add_(1)
+        return y * 1
+
+    fn = compiled(step)
+    for s in range(8):
+        a, b, t = torch.arange(3.0) + s, torch.ones(3), torch.tensor([[1], [-1]][s % 2])
+        w = a[:] if s >= 6 else torch.zeros(3)
+        a2, b2 = a.clone(), b.clone()
+        w2 = a2[:] if s >= 6 else torch.zeros(3)
+        assert_bitwise(fn(a2, b2, w2, t), step(a, b, w, t))
+
+
+@torch.no_grad()
+def test_input_arms_are_checked_at_every_call():
+    """What a copy lacks is checked when the select is traced and guarded for later calls: a Python
+    attribute, or a grad, on the input arm of a later call."""
+    torch._dynamo.reset()
+
+    def step(a, b, t):
+        y = a if t[0] > 0 else b * 2
+        return y * 1, getattr(y, "scale", 1.0), y.grad is None
+
+    fn = compiled(step)
+    for s in range(10):
+        a, b, t = torch.arange(3.0) + s, torch.ones(3), torch.tensor([1])
+        if s == 7:
+            a.scale = 3.0
+        if s == 8:
+            a.grad = torch.ones(3)
+        t = torch.tensor([[1], [-1]][s % 2]) if s < 6 else t
+        want, got = step(a, b, t), fn(a, b, t)
+        assert_bitwise(got[0], want[0])
+        assert got[1:] == want[1:], (s, want, got)
+    assert decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)

@@ -1126,9 +1126,36 @@ def _trace_arm(tx: Any, core: list, stack: list, local_vars: dict) -> tuple[list
     return list(tx.stack), dict(tx.symbolic_locals), nodes
 
 
-def _recorded_effects(side_effects: Any) -> tuple:
-    """The attribute writes and hooks Dynamo has recorded (some skip its side-effect check)."""
-    return ({k: dict(v) for k, v in side_effects.store_attr_mutations.items()}, dict(side_effects.tensor_hooks))
+_BOOKKEEPING = ("nn_module_stack_source", "source_location")  # Dynamo's notes on a variable, not its state
+
+
+def _recorded_effects(side_effects: Any, values: list) -> tuple:
+    """The attribute writes and hooks Dynamo has recorded (some skip its side-effect check), and the
+    fields of every non-tensor variable the arms can reach: some variables change in place without
+    telling side_effects (an iterator's position: ``next(it)`` in an arm)."""
+    from torch._dynamo.variables.base import VariableTracker
+
+    fields: dict = {}
+    todo = [(v, 0) for v in list(values) + list(side_effects.id_to_variable.values())]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (list, tuple)):
+            todo.extend((x, depth) for x in v)
+            continue
+        if isinstance(v, dict):
+            todo.extend((x, depth) for x in v.values())
+            continue
+        tracker = isinstance(v, VariableTracker)
+        translator = type(v).__name__.endswith("InstructionTranslator")  # a generator's own frame
+        if (id(v) in fields or depth > 4 or not (tracker or translator) or type(v).__name__ == "LazyVariableTracker"
+                or (tracker and v.is_tensor())):
+            continue
+        own = {k: x for k, x in vars(v).items() if k not in _BOOKKEEPING}
+        fields[id(v)] = {k: id(x) for k, x in own.items()}
+        if tracker:
+            todo.extend((x, depth + 1) for x in own.values())
+    return ({k: dict(v) for k, v in side_effects.store_attr_mutations.items()}, dict(side_effects.tensor_hooks),
+            fields)
 
 
 def _refuse_side_effect(item: Any) -> "NoReturn":
@@ -1163,20 +1190,60 @@ def _select_values(tx: Any, a: Any, b: Any, where: str, side_effects: Any) -> No
                                 "and type() of the select would differ; a buffer is a plain tensor)")
         if e.is_conj() or e.is_neg():
             raise BranchRefused("BRANCH_VALUES", f"{where} is a lazy conjugate or negative view in an arm")
-        if v in side_effects.store_attr_mutations or _real_attrs(v):
-            raise BranchRefused("BRANCH_VALUES", f"{where} carries Python attributes in an arm (the select "
-                                "would not)")
+        if v in side_effects.store_attr_mutations or e._is_view() or _real_meta(v):
+            raise BranchRefused("BRANCH_VALUES", f"{where} carries Python attributes, is a view, has a .grad or "
+                                "shares a larger storage in an arm (what Python reads of it would not be the "
+                                "select's)")
 
 
-def _real_attrs(v: Any) -> bool:
-    """Does the real tensor of a graph input carry Python attributes (``t.scale = 2``)?"""
+def _real_meta(v: Any) -> bool:
+    """Does the real tensor of a graph input differ from a fresh copy in what Python can read?"""
     node = v.as_proxy().node
     if node.op != "placeholder":
         return False
     from ._torch_private import traced_example
 
-    real, _ = traced_example(node)
-    return any(not k.startswith("_dynamo") for k in getattr(real, "__dict__", None) or ())  # (Dynamo's own marks)
+    return _meta_differs(traced_example(node)[0])
+
+
+def _meta_differs(real: Any) -> bool:
+    return (type(real) is not torch.Tensor or real.grad is not None or real._is_view()
+            or real.storage_offset() != 0 or real.untyped_storage().nbytes() != real.numel() * real.element_size()
+            or any(not k.startswith("_dynamo") for k in getattr(real, "__dict__", None) or ()))
+
+
+def _guard_input_arms(site: SyncSite, arms: list) -> None:
+    """Keep checking, at every call, what _select_values checked of the input arms at compile time
+    (a later call could pass a tensor with attributes, a grad, writes or a shared storage)."""
+    names = [_source_name(getattr(v, "source", None)) for v in arms]
+    if any(n is None for n in names):
+        raise BranchRefused("BRANCH_VALUES", "an input arm has no source to guard")
+    get = leaf_getter(names)
+
+    def check(L: Any, G: Any) -> bool:
+        try:
+            return not any(_meta_differs(t) for t in get(L, G))
+        except Exception:
+            return False
+
+    add_lambda_guard(site, check, "nosync: the input arms of a select carry nothing a copy lacks "
+                     f"({', '.join(names)}: no Python attributes, grad or shared storage)")
+
+
+def attribute_written_selects() -> list:
+    """The RewriteUse of each select that got a Python attribute set after the join (``y.tag = i``):
+    eager sets it on the arm's object, which a select is not (and an unused select is not even in
+    the graph the backend sees)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    uses = []
+    for v in (tx.output.side_effects.store_attr_mutations if tx is not None else ()):
+        if getattr(v, "is_tensor", lambda: False)():
+            use = v.as_proxy().node.meta.get(REWRITE_META)
+            if isinstance(use, RewriteUse) and use.form == "branch":
+                uses.append(use)
+    return uses
 
 
 def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Optional[SyncSite]) -> bool:
@@ -1218,15 +1285,18 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
     fall_when_true = not truth_fn(True)  # POP_JUMP_IF_FALSE falls through to the arm of a true test
     stack0, locals0 = list(tx.stack), dict(tx.symbolic_locals)
     side_effects = out.side_effects
-    effects = _recorded_effects(side_effects)
+    reachable = stack0 + list(locals0.values())
+    effects = _recorded_effects(side_effects, reachable)
     side_effects.check_allowed_side_effect = _refuse_side_effect
     try:
         arms = []
         for core in (arm_a, arm_b):
             arms.append(_trace_arm(tx, core, stack0, locals0))
-            if _recorded_effects(side_effects) != effects:
-                raise BranchRefused("BRANCH_SIDE_EFFECT", "an arm sets an attribute or registers a hook "
-                                    "(the arm eager skips would run too)")
+            after = _recorded_effects(side_effects, reachable)
+            if after[:2] != effects[:2] or any(after[2].get(k) != f for k, f in effects[2].items()):
+                raise BranchRefused("BRANCH_SIDE_EFFECT", "an arm sets an attribute, registers a hook or "
+                                    "changes a Python object in place (an iterator's next()): the arm eager "
+                                    "skips would run too")
         (stack_a, locals_a, nodes_a), (stack_b, locals_b, nodes_b) = arms
         if len(stack_a) != len(stack_b) or locals_a.keys() != locals_b.keys():
             raise BranchRefused("BRANCH_FORM", "the arms leave different stacks or locals")
@@ -1253,6 +1323,9 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
                 with graph.inserting_before(node):
                     safe = op(torch.where, taken[arm_true].as_proxy(), torch.fx.Proxy(index, out.current_tracer), 0)
                 node.replace_input_with(index, safe.as_proxy().node)
+        inputs = [v for _, _, a, b in merged for v in (a, b) if v.as_proxy().node.op == "placeholder"]
+        if inputs:
+            _guard_input_arms(site, list({id(v): v for v in inputs}.values()))
         selects: dict = {}  # one select per pair: two names of one object stay one object
         for sa, k, a, b in merged:
             sel = selects.get((id(a), id(b)))

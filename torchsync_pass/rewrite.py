@@ -107,8 +107,9 @@ def _with_site(use: dynamo_hooks.RewriteUse, site: dynamo_hooks.SyncSite) -> dyn
 # power) or a dtype the kernel does not implement (``remainder`` of bools, ``frac`` of ints, which
 # the fake tensors let through). So: views, layout and conversions on any dtype; on floating point
 # (32, 64, 16 bits), matmuls, norms, reductions of static shape and the pointwise ops (aten's
-# ``pointwise`` tag); on integers, bools and complex numbers, only comparison, logic, addition,
-# multiplication, selection and clamping (_ANY_DTYPE).
+# ``pointwise`` tag); on integers, bools and complex numbers, only equality, logic, addition,
+# multiplication and selection (_ANY_DTYPE), ordering and clamping but not on complex, and bitwise
+# ops on integers and bools only (the CPU kernels reject the rest, the fake tensors do not).
 _LAYOUT = frozenset({
     "view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "unsqueeze", "squeeze",
     "expand", "expand_as", "contiguous", "clone", "narrow", "select", "split", "chunk", "unbind", "flip",
@@ -120,11 +121,10 @@ _FLOAT_SAFE = frozenset({
     "log_softmax", "sum", "mean", "amax", "amin", "cumsum", "truediv", "neg", "pos", "relu", "gelu", "silu",
     "mish", "softplus", "hardtanh", "leaky_relu", "elu",
 })
-_ANY_DTYPE = frozenset({
-    "add", "mul", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
-    "logical_not", "bitwise_and", "bitwise_or", "bitwise_xor", "and_", "or_", "xor", "where", "minimum",
-    "maximum", "clamp",
-})
+_ANY_DTYPE = frozenset({"add", "mul", "eq", "ne", "logical_and", "logical_or", "logical_xor", "logical_not",
+                        "where"})
+_NOT_COMPLEX = frozenset({"lt", "le", "gt", "ge", "minimum", "maximum", "clamp"})  # no order on complex
+_INTEGRAL_ONLY = frozenset({"bitwise_and", "bitwise_or", "bitwise_xor", "and_", "or_", "xor"})
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # (position of the index, position of the indexed tensor); torch.embedding takes (weight, indices),
 # torch.nn.functional.embedding (input, weight)
@@ -230,6 +230,14 @@ class Rewriter:
                 if name in _LAYOUT or name in _ANY_DTYPE:
                     continue
                 exs = [cone._example(x) for x in n.all_input_nodes] + [cone._example(n)]
+                dts = {e.dtype for e in exs if isinstance(e, torch.Tensor)}
+                if name in _NOT_COMPLEX and not any(d.is_complex for d in dts):
+                    continue
+                if name in _INTEGRAL_ONLY:
+                    if not any(d.is_floating_point or d.is_complex for d in dts):
+                        continue
+                    raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} on floating point (no such kernel: it "
+                                  "raises where eager skips the arm)")
                 if any(isinstance(e, torch.Tensor) and e.dtype not in _FLOATS for e in exs):
                     raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} on integer, bool or complex tensors "
                                   "(it may raise for some values or dtypes where eager skips the arm)")
@@ -267,6 +275,12 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
     """Record the rewrites of ``gm``; refuse (and retrace) any whose row would be observably a copy;
     then gather each stacked span of rows at once (:func:`fuse_gathers`)."""
     graph = gm.graph
+    for use in dynamo_hooks.attribute_written_selects():
+        problem = "a Python attribute is set on the selected tensor (eager sets it on the arm's object)"
+        with _lock:
+            _kept[use.site_key] = (Reason.BRANCH_VALUES, problem)
+        _record(use, Action.KEPT, Reason.BRANCH_VALUES, problem, compile_id)
+        dynamo_hooks.restart_analysis(f"nosync: {use.site}: {problem}; keeping the sync")
     rows = [n for n in graph.nodes if _use(n) is not None and n.target is not torch.stack]
     if not rows:
         return
@@ -300,6 +314,11 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
                        "returned too" if branch else "the row (or a view of it) is returned from the graph")
         elif any(k == key for _, k in writes):
             problem = "the row (or a view of it) is written in place"
+        elif any(i > since and k in inputs for i, k in writes) and table_keys & inputs:
+            problem = ("the graph writes an input after the " + ("select" if branch else "read") + ", and "
+                       + ("an arm" if branch else "the table") + " is an input: at run time the two may "
+                       "share memory (a view passed in), which eager's " + ("object" if branch else "row")
+                       + " would see")
         elif any(i > since and k in table_keys for i, k in writes):
             problem = ("an arm's tensor is written in place after the select" if branch else
                        "the table is written in place after the read" + (" (or after its stack)" if stacked else ""))
