@@ -1230,6 +1230,41 @@ def _guard_input_arms(site: SyncSite, arms: list) -> None:
                      f"({', '.join(names)}: no Python attributes, grad or shared storage)")
 
 
+def guard_disjoint_storage(read: list, written: list) -> bool:
+    """From the backend: guard the frame being compiled with "no tensor of ``read`` shares memory
+    with one of ``written``" (placeholder nodes), checked at every call. False when a placeholder
+    has no source to guard on (the caller then keeps its sync)."""
+    from torch._dynamo.guards import install_guard
+    from torch._dynamo.source import GlobalSource
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._guards import Guard
+
+    names = [(leaf.source if (leaf := leaf_of(n)) is not None else None) for n in read + written]
+    tx = InstructionTranslator.current_tx()
+    if tx is None or any(n is None for n in names):
+        return False
+    get = leaf_getter(names)
+    k = len(read)
+
+    def check(L: Any, G: Any) -> bool:
+        try:
+            ts = get(L, G)
+            mine = {t.untyped_storage().data_ptr() for t in ts[:k]}
+            return not any(t.untyped_storage().data_ptr() in mine for t in ts[k:])
+        except Exception:
+            return False
+
+    output = tx.output
+    group = output.__dict__.get("_nosync_guard_group")
+    if group is None:
+        group = output.__dict__["_nosync_guard_group"] = _GuardGroup()
+    source = GlobalSource(f"{GUARD_NAME_PREFIX}disjoint_{len(output.__dict__.setdefault('_nosync_disjoint', []))}")
+    output.__dict__["_nosync_disjoint"].append(source)
+    install_guard(Guard(source, group.create_fn(check, "nosync: a table or arm read by the device does not share "
+                                                       f"memory with an input the graph writes ({', '.join(names)})")))
+    return True
+
+
 def attribute_written_selects() -> list:
     """The RewriteUse of each select that got a Python attribute set after the join (``y.tag = i``):
     eager sets it on the arm's object, which a select is not (and an unused select is not even in

@@ -288,6 +288,7 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
     output = next(iter(graph.find_nodes(op="output")))
     returned = [cone._storage_key(cone._example(o)) for o in cone._nodes_in(output.args)]
     inputs = {cone._storage_key(cone._example(n)) for n in graph.nodes if n.op in ("placeholder", "get_attr")}
+    placeholders = list(graph.find_nodes(op="placeholder"))
     writes = [(order[n], cone._storage_key(cone._example(w))) for n in graph.nodes for w in cone.written_nodes(n)]
     # Autograd sees the copy: a gather's backward is not a select's (index_put accumulates: other
     # bits, -0.0 becomes 0.0), a saved copy misses a later in-place write that eager's saved view
@@ -314,14 +315,17 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
                        "returned too" if branch else "the row (or a view of it) is returned from the graph")
         elif any(k == key for _, k in writes):
             problem = "the row (or a view of it) is written in place"
-        elif any(i > since and k in inputs for i, k in writes) and table_keys & inputs:
+        elif any(i > since and k in table_keys for i, k in writes):
+            problem = ("an arm's tensor is written in place after the select" if branch else
+                       "the table is written in place after the read" + (" (or after its stack)" if stacked else ""))
+        elif any(i > since and k in inputs for i, k in writes) and table_keys & inputs and not \
+                dynamo_hooks.guard_disjoint_storage([p for p in placeholders if _key(p) in table_keys],
+                                                    [p for p in placeholders if _key(p) in
+                                                     {k for i, k in writes if i > since}]):
             problem = ("the graph writes an input after the " + ("select" if branch else "read") + ", and "
                        + ("an arm" if branch else "the table") + " is an input: at run time the two may "
                        "share memory (a view passed in), which eager's " + ("object" if branch else "row")
                        + " would see")
-        elif any(i > since and k in table_keys for i, k in writes):
-            problem = ("an arm's tensor is written in place after the select" if branch else
-                       "the table is written in place after the read" + (" (or after its stack)" if stacked else ""))
         elif recorded is not None:
             problem = (f"autograd records this graph ({recorded.name} requires grad): a "
                        + ("select sends gradients to the arm eager skips" if branch else "gathered row has other gradients"))
@@ -356,6 +360,10 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
         _record(use, Action.REWRITTEN, reason,
                 f"{dotted(use.table)}, {use.length} entries; {len(uses)} read(s) in this graph", compile_id)
     fuse_gathers(gm)
+
+
+def _key(n: torch.fx.Node) -> Optional[int]:
+    return cone._storage_key(cone._example(n))
 
 
 def _fresh_arms(row: torch.fx.Node, arms: list, returned: list, inputs: set) -> bool:
