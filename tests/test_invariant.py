@@ -6,7 +6,9 @@ is counted with the profiler (the aten ops of the invariant subgraph executed pe
 
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import torchsync_pass
-from torchsync_pass import Action, NosyncBackend, Reason
+from torchsync_pass import Action, NosyncBackend, Reason, invariant
 from diffusion_loop import make_model, make_request
 from test_core import assert_bitwise
 
@@ -218,6 +220,24 @@ def test_argument_aliasing_a_leaf_written_before_the_leaf_is_read():
     assert_bitwise(f(torch.zeros(8), y), ref(torch.zeros(8), y))  # and the cache still serves
     assert cached_sources() == ["return y * self.table.cumsum(0)"]
     assert counters["nosync"]["invariant_aliased_calls"] == 2
+
+
+def test_cached_tensors_die_with_their_leaves_without_a_reset():
+    """Deleting the model and the compiled wrapper frees the buffer; the runner (kept by Dynamo's
+    cache until torch._dynamo.reset()) kept the tensors computed from it in its memo and its last
+    call, up to invariant_cache_bytes each."""
+    m, x = Masked(), torch.randn(8, 8)
+    f = compiled(m, EAGER, x)
+    for _ in range(2):
+        f(x)
+    [runner] = [o for o in gc.get_objects() if type(o) is invariant.InvariantRunner
+                and o.last is not None and any(r() is m.table for r in o.last[1])]
+    cached = [weakref.ref(t) for t in runner.last[3]]
+    leaf = weakref.ref(m.table)
+    del runner, f, m
+    gc.collect()
+    assert leaf() is None and cached
+    assert [c() for c in cached] == [None] * len(cached)
 
 class ReturnsItsMask(Table16):
     def forward(self, x):

@@ -174,11 +174,13 @@ class _Entry:
 class ConeMemo:
     """LRU of leaf identity/version -> value for one cone under one :func:`bits_state`."""
 
-    def __init__(self, declared: tuple[bool, ...], size: int = MEMO_SIZE) -> None:
+    def __init__(self, declared: tuple[bool, ...], size: int = MEMO_SIZE,
+                 on_dead: Optional[Callable[[], None]] = None) -> None:
         self.declared = declared
         self.size = size
         self.entries: list[_Entry] = []
         self.lock = threading.Lock()
+        self.on_dead = on_dead  # called after a leaf of an entry died (the entry is dropped)
 
     def lookup(self, leaves: tuple) -> Optional[_Entry]:
         # Hot path (every guard evaluation): plain loops, no generators, no helper calls for the
@@ -214,13 +216,25 @@ class ConeMemo:
                 return e
         return None
 
+    def _leaf_died(self, _ref: Any) -> None:
+        """Weak reference callback: drop the entries whose leaves died, so what they cached (a
+        tensor of the invariant runner) does not outlive the model until the next store.
+
+        NOTE: no lock: the callback can run inside ``store`` (a collection while it holds the lock);
+        the new list replaces the old one in one assignment, and a prune lost to a concurrent store
+        leaves a dead entry that no lookup can match (its identity check fails) until the next."""
+        self.entries = [e for e in self.entries if all(r() is not None for r in e.refs)]
+        if self.on_dead is not None:
+            self.on_dead()
+
     def _to_front(self, e: _Entry) -> None:
         with self.lock:
             self.entries = [e] + [x for x in self.entries if x is not e]
 
     def store(self, leaves: tuple, key: Any, value: Any) -> _Entry:
         # Once per new request and cone: plain loops, no generators.
-        e = _Entry(tuple([weakref.ref(t) for t in leaves]), _fingerprints(leaves, self.declared), key, value)
+        dead = self._leaf_died
+        e = _Entry(tuple([weakref.ref(t, dead) for t in leaves]), _fingerprints(leaves, self.declared), key, value)
         with self.lock:
             live = [e]
             for x in self.entries:

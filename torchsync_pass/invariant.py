@@ -372,6 +372,12 @@ class InvariantRunner:
     def __call__(self, *args: Any) -> Any:
         return self.call(*args)
 
+    def _leaf_died(self) -> None:
+        """A leaf of a memo entry died: forget the last call if it was that entry's (its values)."""
+        last = self.last
+        if last is not None and any(r() is None for r in last[1]):
+            self.last = None
+
     def aliased(self, args: tuple) -> bool:
         """Does an input the graph writes share memory (its storage) with a leaf on this call?"""
         try:
@@ -400,7 +406,7 @@ class InvariantRunner:
         state = (grad, bits_state(), torch.get_default_dtype())
         memo = self.memos.get(state)
         if memo is None:
-            memo = self.memos[state] = ConeMemo(self.declared, self.size)
+            memo = self.memos[state] = ConeMemo(self.declared, self.size, self._leaf_died)
         e = memo.lookup(leaves)
         if e is not None:
             counters()["invariant_hits"] += 1
