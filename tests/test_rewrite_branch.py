@@ -17,7 +17,11 @@ import torch
 from torch import nn
 
 import torchsync_pass
-from torchsync_pass import Action, NosyncBackend, Reason
+from torchsync_pass import Action, NosyncBackend, Reason, dynamo_hooks
+
+pytestmark = pytest.mark.skipif(
+    dynamo_hooks._torch_version() < dynamo_hooks.SELECT_MIN_TORCH,
+    reason="the device-side select needs torch 2.13+ (see dynamo_hooks.SELECT_MIN_TORCH)")
 
 PAD = -1
 WARM = 5  # calls with new tokens before the counted one: the test is speculated, then demoted
@@ -554,8 +558,8 @@ def test_input_arms_are_checked_at_every_call():
     attribute, or a grad, on the input arm of a later call."""
     torch._dynamo.reset()
 
-    def step(a, b, t):
-        y = a if t[0] > 0 else b * 2
+    def step(a, b, t):  # (both arms inputs: torch 2.11-2.12 Dynamo misreads .grad of a tensor the step made)
+        y = a if t[0] > 0 else b
         return y * 1, getattr(y, "scale", 1.0), y.grad is None
 
     fn = compiled(step)

@@ -358,13 +358,15 @@ def test_demoting_the_second_comparison_keeps_the_first_hoisted():
     for args in calls[:5]:
         assert torch.equal(step(*args), in_range(*args))
     assert counters["nosync"]["demoted"] == 1
+    selects = dynamo_hooks._torch_version() >= dynamo_hooks.SELECT_MIN_TORCH
     for args in calls[5:]:
         with torchsync_pass.count_syncs() as c:
             out = step(*args)
         assert torch.equal(out, in_range(*args))
-        assert c.total == 0, c.by_kind
+        assert c.total == (0 if selects else 1), c.by_kind
     assert counters["nosync"]["demoted"] == 1  # the first comparison was never demoted
-    assert [d.reason for d in torchsync_pass.decisions() if d.action is Action.REWRITTEN] == [Reason.BRANCH_WHERE]
+    rewritten = [d.reason for d in torchsync_pass.decisions() if d.action is Action.REWRITTEN]
+    assert rewritten == ([Reason.BRANCH_WHERE] if selects else [])
 
 
 # --------------------------------------------------------------------------------------------

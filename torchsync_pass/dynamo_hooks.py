@@ -1026,6 +1026,12 @@ _UNCONDITIONAL = frozenset({"JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_I
 MAX_BRANCH_RUN = 512  # instructions followed from each arm's start to find the join
 
 
+# torch 2.11 and 2.12 Dynamo misread attributes of a tensor the step made (``(b * 2).grad is None``
+# traces as False, with or without nosync); a select makes such a tensor where eager had the arm's
+# own object, so ``y.grad is None`` after it would be wrong there: the select needs torch 2.13+.
+SELECT_MIN_TORCH = (2, 13)
+
+
 class BranchRefused(Exception):
     """An arm cannot be selected on the device: ``reason`` (a Reason name) and ``detail``."""
 
@@ -1286,7 +1292,7 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
     Note [Rewriting a branch as a select]). True when done: the test is popped and the translator
     stands at the join with the merged state. False: the jump takes the ordinary path."""
     if (_rewriter is None or site is None or push or getattr(_state, "in_stock", False)
-            or option(site.options, "select_branches", True) is False):
+            or option(site.options, "select_branches", True) is False or _torch_version() < SELECT_MIN_TORCH):
         return False
     value = tx.stack[-1]
     ex = value.as_proxy().node.meta.get("example_value")
