@@ -570,17 +570,25 @@ def add_lambda_guard(site: SyncSite, check: Callable[[Any, Any], bool], descript
     Epilogue guards run after every other guard passed. ``check`` must catch its own errors (a
     leaf source that no longer resolves) and answer False.
     """
+    _install_guard(site._tx.output, f"{site.code.co_name}_{site.offset}", check, description)
+
+
+def _install_guard(output: Any, name: str, check: Callable[[Any, Any], bool], description: str) -> None:
     from torch._dynamo.guards import install_guard
     from torch._dynamo.source import GlobalSource
     from torch._guards import Guard
 
-    output = site._tx.output
     group = output.__dict__.get("_nosync_guard_group")
     if group is None:
         group = output.__dict__["_nosync_guard_group"] = _GuardGroup()
     # The source only names the guard; the check itself reads its leaves from L and G.
-    source = GlobalSource(f"{GUARD_NAME_PREFIX}{site.code.co_name}_{site.offset}")
-    install_guard(Guard(source, group.create_fn(check, description)))
+    install_guard(Guard(GlobalSource(f"{GUARD_NAME_PREFIX}{name}"), group.create_fn(check, description)))
+
+
+def shares_storage(these: Any, those: Any) -> bool:
+    """Does a tensor of ``these`` share its storage with a tensor of ``those`` (others ignored)?"""
+    ptrs = {t.untyped_storage().data_ptr() for t in those if isinstance(t, torch.Tensor)}
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs for t in these)
 
 
 def leaf_getter(sources: list[str]) -> Callable[[Any, Any], tuple]:
@@ -936,6 +944,13 @@ def _contiguous_strides(shape: Any) -> tuple:
     return tuple(reversed(strides))
 
 
+def _traced(tx: Any, kind: str, target: Any, *args: Any) -> Any:
+    """Trace one call (``kind``: call_function / call_method) into the graph; its variable."""
+    from torch._dynamo.variables.builder import wrap_fx_proxy
+
+    return wrap_fx_proxy(tx, tx.output.create_proxy(kind, target, args, {}))
+
+
 def _try_rewrite(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
     """(gathered row, None) when the read was rewritten; (None, why_not) otherwise."""
     if _rewriter is None or getattr(_state, "in_stock", False) or not getattr(var, "is_tensor", lambda: False)():
@@ -958,12 +973,10 @@ def _try_rewrite(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
         _state.busy = False
     if use is None:
         return None, None  # refused earlier (recorded then): the read takes the ordinary path
-    from torch._dynamo.variables.builder import wrap_fx_proxy
-
     out = tx.output
 
     def op(kind_: str, target: Any, *args: Any) -> Any:
-        return wrap_fx_proxy(tx, out.create_proxy(kind_, target, args, {}))
+        return _traced(tx, kind_, target, *args)
 
     idx = var
     ex = var.as_proxy().node.meta["example_value"]
@@ -1169,7 +1182,7 @@ def _refuse_side_effect(item: Any) -> "NoReturn":
                         "(the arm eager skips would run too)")
 
 
-def _select_values(tx: Any, a: Any, b: Any, where: str, side_effects: Any) -> None:
+def _select_values(a: Any, b: Any, where: str, side_effects: Any) -> None:
     """Check that the arms' differing values ``a``, ``b`` can be selected bitwise, and that nothing
     but their bits can tell eager's object from the select (its class, Python attributes, lazy
     conjugate or negative bits)."""
@@ -1240,10 +1253,7 @@ def guard_disjoint_storage(read: list, written: list) -> bool:
     """From the backend: guard the frame being compiled with "no tensor of ``read`` shares memory
     with one of ``written``" (placeholder nodes), checked at every call. False when a placeholder
     has no source to guard on (the caller then keeps its sync)."""
-    from torch._dynamo.guards import install_guard
-    from torch._dynamo.source import GlobalSource
     from torch._dynamo.symbolic_convert import InstructionTranslator
-    from torch._guards import Guard
 
     names = [(leaf.source if (leaf := leaf_of(n)) is not None else None) for n in read + written]
     tx = InstructionTranslator.current_tx()
@@ -1255,19 +1265,13 @@ def guard_disjoint_storage(read: list, written: list) -> bool:
     def check(L: Any, G: Any) -> bool:
         try:
             ts = get(L, G)
-            mine = {t.untyped_storage().data_ptr() for t in ts[:k]}
-            return not any(t.untyped_storage().data_ptr() in mine for t in ts[k:])
+            return not shares_storage(ts[k:], ts[:k])
         except Exception:
             return False
 
-    output = tx.output
-    group = output.__dict__.get("_nosync_guard_group")
-    if group is None:
-        group = output.__dict__["_nosync_guard_group"] = _GuardGroup()
-    source = GlobalSource(f"{GUARD_NAME_PREFIX}disjoint_{len(output.__dict__.setdefault('_nosync_disjoint', []))}")
-    output.__dict__["_nosync_disjoint"].append(source)
-    install_guard(Guard(source, group.create_fn(check, "nosync: a table or arm read by the device does not share "
-                                                       f"memory with an input the graph writes ({', '.join(names)})")))
+    count = tx.output.__dict__["_nosync_disjoint"] = tx.output.__dict__.get("_nosync_disjoint", 0) + 1
+    _install_guard(tx.output, f"disjoint_{count}", check, "nosync: a table or arm read by the device does not "
+                   f"share memory with an input the graph writes ({', '.join(names)})")
     return True
 
 
@@ -1310,12 +1314,10 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
     use = _rewriter.allow(site, use)
     if use is None:
         return False  # refused before (recorded then)
-    from torch._dynamo.variables.builder import wrap_fx_proxy
-
     out = tx.output
 
     def op(target: Any, *args: Any) -> Any:
-        return wrap_fx_proxy(tx, out.create_proxy("call_function", target, args, {}))
+        return _traced(tx, "call_function", target, *args)
 
     tx.pop()
     cond = value
@@ -1348,7 +1350,7 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
             a, b = sa[k], sb[k]
             if a is b or (not (a.is_tensor() and b.is_tensor()) and _equivalent(a, b)):
                 continue
-            _select_values(tx, a, b, where, side_effects)
+            _select_values(a, b, where, side_effects)
             merged.append((sa, k, a, b))
         masks = _rewriter.branch_plan(nodes_a, nodes_b)
         # the index of an index op in an arm eager may skip: 0 (in range) unless its arm is taken

@@ -594,9 +594,7 @@ class WrittenInputs:
         if self.getter is None:
             return False
         try:
-            ptrs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
-            return any(isinstance(w, torch.Tensor) and w.untyped_storage().data_ptr() in ptrs
-                       for w in self.getter(L, G))
+            return dynamo_hooks.shares_storage(self.getter(L, G), leaves)
         except Exception:
             return True  # cannot tell: fail the guard (a recompile), never a stale value
 

@@ -381,9 +381,7 @@ class InvariantRunner:
     def aliased(self, args: tuple) -> bool:
         """Does an input the graph writes share memory (its storage) with a leaf on this call?"""
         try:
-            leaves = {args[i].untyped_storage().data_ptr() for i in self.leaf_index}
-            return any(isinstance(args[w], torch.Tensor) and args[w].untyped_storage().data_ptr() in leaves
-                       for w in self.written)
+            return dynamo_hooks.shares_storage([args[w] for w in self.written], [args[i] for i in self.leaf_index])
         except Exception:
             return True  # cannot tell: the unsplit graph is right either way
 

@@ -286,10 +286,10 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
         return
     order = {n: i for i, n in enumerate(graph.nodes)}
     output = next(iter(graph.find_nodes(op="output")))
-    returned = [cone._storage_key(cone._example(o)) for o in cone._nodes_in(output.args)]
-    inputs = {cone._storage_key(cone._example(n)) for n in graph.nodes if n.op in ("placeholder", "get_attr")}
+    returned = [_key(o) for o in cone._nodes_in(output.args)]
+    inputs = {_key(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")}
     placeholders = list(graph.find_nodes(op="placeholder"))
-    writes = [(order[n], cone._storage_key(cone._example(w))) for n in graph.nodes for w in cone.written_nodes(n)]
+    writes = [(order[n], _key(w)) for n in graph.nodes for w in cone.written_nodes(n)]
     # Autograd sees the copy: a gather's backward is not a select's (index_put accumulates: other
     # bits, -0.0 becomes 0.0), a saved copy misses a later in-place write that eager's saved view
     # reports, and a list's stack hands gradients (zeros) to tensors eager never read.
@@ -297,13 +297,13 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
     for row in rows:
         use = _use(row)
         assert use is not None
-        key = cone._storage_key(cone._example(row))
+        key = _key(row)
         branch = use.form == "branch"  # torch.where(test, a, b): a and b are eager's objects
         table = row.args[0]
         stacked = not branch and _use(table) is not None
         tables = ([a for a in row.args[1:3] if isinstance(a, torch.fx.Node)] if branch
                   else table.all_input_nodes if stacked else [table])
-        table_keys = {cone._storage_key(cone._example(t)) for t in tables} - {None}
+        table_keys = {_key(t) for t in tables} - {None}
         # a list's stack is shared by the reads after it: a write to a listed tensor after the
         # stack would be missed by every later read (eager reads the tensor itself)
         since = order[table] if stacked else order[row]
@@ -369,11 +369,11 @@ def _key(n: torch.fx.Node) -> Optional[int]:
 def _fresh_arms(row: torch.fx.Node, arms: list, returned: list, inputs: set) -> bool:
     """Is a returned select indistinguishable from eager's arm: each arm a tensor the graph made,
     not a view, read by this select alone, whose memory is returned only through it (once)?"""
-    key = cone._storage_key(cone._example(row))
+    key = _key(row)
     if returned.count(key) != 1:
         return False
     for a in arms:
-        ex, k = cone._example(a), cone._storage_key(cone._example(a))
+        ex, k = cone._example(a), _key(a)
         if (k is None or k in inputs or k in returned or not isinstance(ex, torch.Tensor)
                 or _torch_private.is_view(ex) or len(a.users) != 1):
             return False  # (an arm read elsewhere, e.g. by another select, could be eager's other result)
