@@ -387,6 +387,19 @@ def scaled(x, t):
     return x * t.item()
 
 
+def test_guard_hits_still_counted_after_counters_clear():
+    # a user (or a benchmark) clears torch._dynamo.utils.counters between phases; the guard's fast
+    # path must count into the live counters, not into the one it saw when it was built
+    f = torch.compile(scaled, backend="nosync", options={"codegen": "eager"})
+    x, t = torch.arange(3.0), torch.tensor(2.0)
+    for _ in range(3):
+        f(x, t)
+    counters.clear()
+    for _ in range(5):
+        assert_bitwise(f(x, t), scaled(x, t))
+    assert counters["nosync"]["guard_hits"] == 5
+
+
 def test_step_varying_item_is_demoted_with_bounded_compiles():
     x = torch.arange(3.0)
     ts = [torch.tensor(float(i)) for i in range(8)]

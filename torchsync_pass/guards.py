@@ -776,7 +776,6 @@ class SiteCheck:
             plans.append((chk, tuple(idx)))
         getter = dynamo_hooks.leaf_getter(sources)
         states = [chk.state for chk in checks]
-        c = counters()
         n = len(checks)
         last: list = [None, None, False]  # weak refs, fast_key of the last passing call, booked
         threads = checks[0].bits[0]  # one compile: every check has the same bits_state()
@@ -804,7 +803,8 @@ class SiteCheck:
                         last[2] = True
                         for chk, _ in plans:
                             chk.fast_hit()
-                    c["guard_hits"] += n
+                    # NOTE: looked up per call: torch._dynamo.utils.counters.clear() replaces the Counter
+                    counters()["guard_hits"] += n
                     return True
             for chk, idx in plans:
                 if not chk.check_leaves(tuple([leaves[i] for i in idx])):
