@@ -77,6 +77,26 @@ def exps(fn, *args):
     return out, sum(e.count for e in prof.key_averages() if e.key == "aten::exp")
 
 
+def disable_layers(fn, *args) -> int:
+    """How many ``torch._dynamo.disable`` wrappers one call of ``fn`` goes through (each switches
+    the eval-frame callback off and on again)."""
+    import sys
+
+    seen = []
+
+    def prof(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name == "_fn" and code.co_filename.endswith("eval_frame.py"):
+            seen.append(code)
+
+    sys.setprofile(prof)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return len(seen)
+
+
 def test_inductor_step_part_bitwise_equal_to_stock_inductor_on_the_hand_split_step():
     m = Step()
     f = torch.compile(m, backend=NosyncBackend({"invariant_cache_bytes": LIMIT}))
@@ -111,6 +131,9 @@ def test_inductor_step_part_bitwise_equal_to_stock_inductor_on_the_hand_split_st
         assert counters["nosync"]["invariant_computes"] == 3
         assert counters["nosync"]["invariant_hits"] == 7
         assert counters["nosync"]["hoisted"] == 0  # no recompile on any of these
+        # per call as many disable wrappers as stock Inductor's (Dynamo's, around what the backend
+        # returns, and its bytecode hooks): the step part Inductor compiled is not wrapped again
+        assert disable_layers(f, x, a) == disable_layers(ref.step, x, m.wide, *invariant_part(m.table, a), True)
 
     # Grad mode on: Dynamo recompiles both; nothing that requires grad is cached, and the
     # gradient through the step part matches the reference's bitwise.
