@@ -386,11 +386,6 @@ def sites() -> list[SiteState]:
 # ----------------------------------------------------------------------------------------------
 def _record(state: SiteState, action: Action, reason: Reason, detail: str = "", value: Any = None,
             leaves: tuple = (), compile_id: Optional[str] = None) -> None:
-    key = (compile_id, state.code, state.offset, state.kind, action)
-    with _lock:
-        if compile_id is not None and key in _recorded:
-            return  # Dynamo restarted the trace: do not count the same decision twice
-        _recorded.add(key)
     d = Decision(
         site=state.site,
         kind=state.kind,
@@ -403,18 +398,35 @@ def _record(state: SiteState, action: Action, reason: Reason, detail: str = "", 
         leaves=leaves,
         compile_id=compile_id or "",
     )
+    # Dynamo restarted the trace: do not count the same decision twice
+    record_decision(d, once=None if compile_id is None else (compile_id, state.code, state.offset, state.kind, action))
+
+
+def record_decision(d: Decision, once: Optional[tuple] = None) -> None:
+    """Publish one decision: keep it in DECISIONS, count it, log it, put it in the structured trace.
+
+    Every module that decides (guards, tables, inop, rewrite, invariant) records through here, so the
+    report, the counters, the log and ``TORCH_TRACE`` always show the same records. ``once``: a key
+    under which a decision is recorded once only (a retrace of the same compile takes it again);
+    forgotten at :func:`reset`.
+    """
+    if once is not None:
+        with _lock:
+            if once in _recorded:
+                return
+            _recorded.add(once)
     DECISIONS.add(d)
-    counters()[action.value] += 1
-    if action is Action.HOISTED:
-        log.info("nosync: hoisted %s: %s = %r (guarded on %s)", state.site, state.source, value,
-                 ", ".join(leaves) or "nothing")
+    counters()[d.action.value] += 1
+    if d.action is Action.HOISTED:
+        log.info("nosync: hoisted %s: %s = %s (guarded on %s)", d.site, d.source, d.value,
+                 ", ".join(d.leaves) or "nothing")
     else:
-        log.info("nosync: %s %s: %s: %s%s", action.value, state.site, state.source, reason.value,
-                 f" ({detail})" if detail else "")
+        log.info("nosync: %s %s: %s: %s%s", d.action.value, d.site, d.source, d.reason.value,
+                 f" ({d.detail})" if d.detail else "")
     _trace_structured(d)
 
 
-def _trace_structured(d: Decision) -> None:  # also inop's
+def _trace_structured(d: Decision) -> None:
     try:
         _torch_private.trace_artifact("nosync_decision", lambda: json.dumps(d.to_json()))
     except Exception:  # structured tracing is best effort

@@ -71,8 +71,8 @@ import torch
 from torch import fx
 
 from . import cone, dynamo_hooks
-from .guards import MEMO_SIZE, ConeMemo, _trace_structured, bits_state, counters
-from .report import DECISIONS, Action, Decision, Reason, SiteKey
+from .guards import MEMO_SIZE, ConeMemo, bits_state, counters, record_decision
+from .report import Action, Decision, Reason, SiteKey
 from .tables import TableTooLarge, _int_value, _only_indexes, _SIZE_SOURCES, index_range
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ class TabulatedOp:
 
     def _demote(self) -> None:
         self.shared.demoted = True
-        _record(dataclasses.replace(
+        record_decision(dataclasses.replace(
             self.decision, action=Action.DEMOTED, reason=Reason.LEAVES_CHANGE,
             detail=f"{STALE_TABLES} tables in a row were computed and never read: the original op runs "
                    "from now on"))
@@ -382,20 +382,12 @@ def _site(node: fx.Node) -> tuple[SiteKey, str, str]:
     return SiteKey(file, line), fn, src
 
 
-def _record(d: Decision) -> None:
-    DECISIONS.add(d)
-    counters()[d.action.value] += 1
-    log.info("nosync: %s %s (in-op sync): %s: %s%s", d.action.value, d.site, d.source, d.reason.value,
-             f" ({d.detail})" if d.detail else "")
-    _trace_structured(d)
-
-
 def record_kept(gm: fx.GraphModule, reason: Reason, detail: str, compile_id: Optional[str]) -> None:
     """Record every in-op sync of ``gm`` as kept, with ``reason`` (e.g. Inductor codegen)."""
     for n in gm.graph.nodes:
         op = syncing_op(n)
         if op is not None:
-            _record(_decision(n, op, Action.KEPT, reason, detail, (), compile_id))
+            record_decision(_decision(n, op, Action.KEPT, reason, detail, (), compile_id))
 
 
 def _decision(node: fx.Node, op: Callable, action: Action, reason: Reason, detail: str,
@@ -483,7 +475,7 @@ def tabulate(gm: fx.GraphModule, opts: Any, compile_id: Optional[str]) -> Tabula
     if chosen:
         _rewrite(gm, chosen, placeholders, leaves, opts, compile_id, out)
     for d in out.decisions:
-        _record(d)
+        record_decision(d)
     return out
 
 

@@ -80,8 +80,8 @@ import torch
 from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, rewrite, symbolic
-from .guards import MEMO_SIZE, ConeMemo, bits_state, counters, fast_key, same_call_expr
-from .report import DECISIONS, Action, Decision, Reason, SiteKey
+from .guards import MEMO_SIZE, ConeMemo, bits_state, counters, fast_key, record_decision, same_call_expr
+from .report import Action, Decision, Reason, SiteKey
 
 log = logging.getLogger(__name__)
 
@@ -249,9 +249,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         cached.append(n)
         decisions.append(_decision(n, Action.CACHED, Reason.INVARIANT_TENSOR, nbytes, leaves, compile_id))
     for d in decisions + skipped:
-        DECISIONS.add(d)
-        counters()[d.action.value] += 1
-        log.info("nosync: %s %s: %s (%s)", d.action.value, d.site, d.source, d.detail)
+        record_decision(d)
     if not cached:
         return InvariantSplit(False, gm.forward, decisions, skipped)
     inv_gm, leaf_index = _invariant_module(gm, cached)

@@ -57,19 +57,17 @@ from typing import Any, Optional
 import torch
 
 from . import _torch_private, cone, dynamo_hooks, guards
-from .report import DECISIONS, Action, Decision, Reason, SiteKey
+from .report import Action, Decision, Reason, SiteKey
 
 log = logging.getLogger(__name__)
 
 _kept: dict[tuple, tuple] = {}  # site key -> (Reason, detail): why it keeps its sync (found after a rewrite)
-_recorded: set = set()
 _lock = threading.Lock()
 
 
 def reset() -> None:
     with _lock:
         _kept.clear()
-        _recorded.clear()
 
 
 def _site_key(site: dynamo_hooks.SyncSite) -> tuple:
@@ -79,17 +77,10 @@ def _site_key(site: dynamo_hooks.SyncSite) -> tuple:
 
 def _record(use_or_site: Any, action: Action, reason: Reason, detail: str, compile_id: Optional[str]) -> None:
     u = use_or_site
-    key = (compile_id, u.site_key, action)
-    with _lock:
-        if key in _recorded:
-            return  # the same decision in a retrace of the same compile
-        _recorded.add(key)
     d = Decision(site=u.site, kind=u.kind, action=action, reason=reason, code=u.code, source=u.source,
                  detail=detail, compile_id=compile_id or "")
-    DECISIONS.add(d)
-    _torch_private.nosync_counters()[action.value] += 1
-    log.info("nosync: %s %s: %s: %s (%s)", action.value, d.site, d.source, reason.value, detail)
-    guards._trace_structured(d)
+    # once: the same decision in a retrace of the same compile
+    guards.record_decision(d, once=("rewrite", compile_id, u.site_key, action))
 
 
 def _with_site(use: dynamo_hooks.RewriteUse, site: dynamo_hooks.SyncSite) -> dynamo_hooks.RewriteUse:
