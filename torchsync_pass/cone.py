@@ -47,7 +47,7 @@ import torch
 from torch import fx
 
 from . import _torch_private, symbolic
-from .report import Reason
+from .report import Reason, SiteKey
 
 log = logging.getLogger(__name__)
 
@@ -515,9 +515,23 @@ def user_frames(stack_trace: str) -> list[tuple[str, int, str, str]]:
 _FRAME_RE = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>.+)$')
 
 
-def _where(n: fx.Node) -> str:
+NO_SITE = SiteKey("<graph>", 0)  # a node without a user stack trace
+
+
+def user_site(n: fx.Node) -> tuple[SiteKey, str, str]:
+    """``(file:line, function, source text)`` of the innermost user frame that made ``n``;
+    ``(NO_SITE, "", node name)`` when its ``stack_trace`` names none."""
     frames = user_frames(n.meta.get("stack_trace") or "")
-    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else n.name
+    if not frames:
+        return NO_SITE, "", n.name
+    file, line, fn, src = frames[-1]
+    return SiteKey(file, line), fn, src
+
+
+def _where(n: fx.Node) -> str:
+    """``file:line`` of the user code that made ``n`` (its node name when unknown), for messages."""
+    site = user_site(n)[0]
+    return n.name if site == NO_SITE else str(site)
 
 
 def _mutated_cone(graph: fx.Graph, leaf_nodes: list[fx.Node], cone_nodes: set[fx.Node]) -> Optional[str]:

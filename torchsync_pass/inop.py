@@ -72,7 +72,7 @@ from torch import fx
 
 from . import cone, dynamo_hooks
 from .guards import MEMO_SIZE, ConeMemo, bits_state, counters, record_decision
-from .report import Action, Decision, Reason, SiteKey
+from .report import Action, Decision, Reason
 from .tables import TableTooLarge, _int_value, _only_indexes, _SIZE_SOURCES, index_range
 
 log = logging.getLogger(__name__)
@@ -376,12 +376,6 @@ class Tabulation:
         return TabulatedStep(original, compiled_step, self.ops) if self.step is not None else original
 
 
-def _site(node: fx.Node) -> tuple[SiteKey, str, str]:
-    frames = cone.user_frames(node.meta.get("stack_trace") or "")
-    file, line, fn, src = frames[-1] if frames else ("<graph>", 0, "", node.name)
-    return SiteKey(file, line), fn, src
-
-
 def record_kept(gm: fx.GraphModule, reason: Reason, detail: str, compile_id: Optional[str]) -> None:
     """Record every in-op sync of ``gm`` as kept, with ``reason`` (e.g. Inductor codegen)."""
     for n in gm.graph.nodes:
@@ -392,7 +386,7 @@ def record_kept(gm: fx.GraphModule, reason: Reason, detail: str, compile_id: Opt
 
 def _decision(node: fx.Node, op: Callable, action: Action, reason: Reason, detail: str,
               leaves: tuple[str, ...], compile_id: Optional[str]) -> Decision:
-    site, fn, src = _site(node)
+    site, fn, src = cone.user_site(node)
     syncs, where = SYNCING_OPS[op]
     what = f"{_op_name(op)}: {syncs} sync(s) per call on torch 2.13 CPU ({where})"
     return Decision(site=site, kind="in_op", action=action, reason=reason, code=fn, source=src,

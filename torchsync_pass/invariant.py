@@ -81,7 +81,7 @@ from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, rewrite, symbolic
 from .guards import MEMO_SIZE, ConeMemo, bits_state, counters, fast_key, record_decision, same_call_expr
-from .report import Action, Decision, Reason, SiteKey
+from .report import Action, Decision, Reason
 
 log = logging.getLogger(__name__)
 
@@ -189,12 +189,11 @@ def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx
 
 def _decision(n: fx.Node, action: Action, reason: Reason, nbytes: int, leaves: tuple[str, ...],
               compile_id: Optional[str]) -> Decision:
-    frames = cone.user_frames(n.meta.get("stack_trace") or "")
-    file, line, fn, src = frames[-1] if frames else ("<graph>", 0, "", n.name)
+    site, fn, src = cone.user_site(n)
     ex = cone._example(n)
     shape = f"{str(ex.dtype).replace('torch.', '')}{list(ex.shape)}"
     return Decision(
-        site=SiteKey(file, line), kind="tensor", action=action, reason=reason, code=fn, source=src,
+        site=site, kind="tensor", action=action, reason=reason, code=fn, source=src,
         detail=f"{shape}, {nbytes} bytes", leaves=leaves, compile_id=compile_id or "", nbytes=nbytes,
     )
 
