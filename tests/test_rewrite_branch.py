@@ -574,3 +574,85 @@ def test_input_arms_are_checked_at_every_call():
         assert_bitwise(got[0], want[0])
         assert got[1:] == want[1:], (s, want, got)
     assert decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)
+
+
+# --- `a & b` and `a | b` trace to operator.and_ / operator.or_: pure ops, not in-place writers ---
+@torch.no_grad()
+def test_arm_with_bitwise_operators_is_selected():
+    """An arm computing ``(x & m) | 1``: both arms run, the select takes eager's bits (before, the
+    trailing underscore of ``and_`` made it an in-place op: kept, BRANCH_SIDE_EFFECT)."""
+    torch._dynamo.reset()
+
+    def step(x, m, t):
+        for i in range(t.shape[0]):
+            x = (x & m) | 1 if t[i] > 0 else x + 2
+        return x * 1
+
+    fn = compiled(step)
+    x, m = torch.arange(-4, 8), torch.tensor(6)
+    n = run_steps(step, fn, lambda s: (x, m, torch.randint(-3, 3, (3,), generator=torch.Generator().manual_seed(s))))
+    assert n == 0
+    assert not decisions(Action.KEPT), [(d.reason, d.detail) for d in decisions(Action.KEPT)]
+    assert decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)
+
+
+@torch.no_grad()
+def test_cone_with_bitwise_operators_is_hoisted():
+    """``if (flags & mask).any():`` is a pure cone (before: rejected, "in-place op and_")."""
+    torch._dynamo.reset()
+
+    def step(x, flags, mask):
+        if ((flags & mask) | (flags & 0)).any():
+            return x * 2
+        return x - 1
+
+    fn = compiled(step)
+    flags, mask = torch.tensor([1, 2, 4]), torch.tensor([3, 0, 0])
+    for m in (mask, mask, torch.zeros(3, dtype=torch.int64)):
+        assert_bitwise(fn(torch.ones(3), flags, m), step(torch.ones(3), flags, m))
+    got = [(d.action, d.reason, d.value) for d in torchsync_pass.decisions()]
+    assert got == [(Action.HOISTED, Reason.INVARIANT_CONE, "True"), (Action.HOISTED, Reason.INVARIANT_CONE, "False")], got
+
+
+def _arm_and_assign(y, m):
+    y &= m
+    return y
+
+
+@pytest.mark.parametrize("write", [
+    _arm_and_assign,
+    lambda y, m: y.bitwise_and_(m),
+    lambda y, m: torch.Tensor.add_(y, m),
+], ids=["iand", "bitwise_and_", "Tensor.add_"])
+@torch.no_grad()
+def test_arm_with_a_real_in_place_op_keeps_its_sync(write):
+    torch._dynamo.reset()
+
+    def step(x, m, t):
+        y = x * 1
+        z = write(y, m) if t[0] > 0 else y
+        return z + 1, y + 0
+
+    fn = compiled(step)
+    x, m = torch.arange(6), torch.tensor(3)
+    for s in range(WARM):
+        t = torch.tensor([1 - 2 * (s % 2)])
+        for got, want in zip(fn(x, m, t), step(x, m, t)):
+            assert_bitwise(got, want)
+    kept = decisions(Action.KEPT, Reason.BRANCH_SIDE_EFFECT)
+    assert kept and "in-place op" in kept[0].detail, [(d.reason, d.detail) for d in torchsync_pass.decisions()]
+    assert not decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)
+
+
+def test_written_nodes_of_operator_functions():
+    """Functions of ``operator`` write only when in-place (``iand``...), whatever their name."""
+    from torchsync_pass import cone
+
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    pure = [g.call_function(f, (a, b)) for f in (operator.and_, operator.or_, operator.is_, operator.xor)]
+    pure.append(g.call_function(operator.not_, (a,)))
+    writers = [g.call_function(operator.iand, (a, b)), g.call_function(operator.ior, (a, b)),
+               g.call_method("bitwise_and_", (a, b)), g.call_function(torch.Tensor.add_, (a, b))]
+    assert {n.name: cone.written_nodes(n) for n in pure} == {n.name: [] for n in pure}
+    assert {n.name: cone.written_nodes(n) for n in writers} == {n.name: [a] for n in writers}

@@ -216,6 +216,17 @@ def hidden_written_nodes(node: fx.Node) -> list[fx.Node]:
     return [n for name in names for n in _nodes_in(bound.get(name))]
 
 
+def _is_operator_function(node: fx.Node) -> bool:
+    """A call of a function of Python's ``operator`` module (``a & b`` traces to ``operator.and_``).
+
+    NOTE: these are named with a trailing underscore to dodge keywords (``and_``, ``or_``, ``not_``,
+    ``is_``) and write nothing; the ones that write are in ``_INPLACE_OPERATORS`` (``iand``, ...).
+    """
+    t = node.target
+    name = getattr(t, "__name__", None)
+    return node.op == "call_function" and isinstance(name, str) and getattr(operator, name, None) is t
+
+
 def written_nodes(node: fx.Node) -> list[fx.Node]:
     """The nodes whose memory ``node`` writes (empty when it writes nothing).
 
@@ -235,7 +246,7 @@ def written_nodes(node: fx.Node) -> list[fx.Node]:
         written += _nodes_in(first)
     elif node.op == "call_method" and name in ("__setitem__", "copy_", "set_", "resize_"):
         written += _nodes_in(first)
-    elif name.endswith("_") and not name.endswith("__"):
+    elif name.endswith("_") and not name.endswith("__") and not _is_operator_function(node):
         written += _nodes_in(first)  # add_, fill_, _foreach_add_ (a list of tensors)
     if _inplace_flag(node):
         written += _nodes_in(first)
