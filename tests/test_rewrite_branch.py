@@ -10,6 +10,7 @@ keep their sync and say why.
 
 from __future__ import annotations
 
+import linecache
 import operator
 
 import pytest
@@ -656,3 +657,36 @@ def test_written_nodes_of_operator_functions():
                g.call_method("bitwise_and_", (a, b)), g.call_function(torch.Tensor.add_, (a, b))]
     assert {n.name: cone.written_nodes(n) for n in pure} == {n.name: [] for n in pure}
     assert {n.name: cone.written_nodes(n) for n in writers} == {n.name: [a] for n in writers}
+
+
+def _shapes_differ(x, t):
+    y = x[:2] if t[0] > 0 else x  # refused once both arms are traced (then the trace restarts)
+    return y * 2
+
+
+def _with_in_arm(x, t):
+    if t[0] > 0:  # refused before an arm is traced
+        with torch.no_grad():
+            x = x * 2
+    return x + 1
+
+
+@pytest.mark.parametrize("fn_,reason,detail", [
+    (_shapes_differ, Reason.BRANCH_VALUES, "stack item 0 differs in shape, dtype or device between the arms"),
+    (_with_in_arm, Reason.BRANCH_FORM, "an arm has a "),  # a BEFORE_WITH instruction on 3.11-3.13
+], ids=["after-tracing-the-arms", "before-tracing-the-arms"])
+def test_fullgraph_refused_select_names_the_reason(fn_, reason, detail):
+    """Under fullgraph=True, a branch that is neither hoisted nor selected raises Unsupported naming
+    the site and why the select was refused, as for any other sync nosync leaves in place."""
+    torch._dynamo.reset()
+    fn = torch.compile(fn_, backend=NosyncBackend({"codegen": "eager"}), fullgraph=True)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    assert_bitwise(fn(x, torch.tensor([-1])), fn_(x, torch.tensor([-1])))  # hoisted: speculated invariant
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        fn(x, torch.tensor([1]))  # a new value: demoted, then the select is tried and refused
+    msg = str(info.value)
+    line = fn_.__code__.co_firstlineno + 1
+    source = linecache.getline(__file__, line).strip()
+    assert f"{__file__}:{line}: {source}" in msg, msg
+    assert f"not selected on the device: {reason.name}: {reason.value} ({detail}" in msg, msg
+    assert [d for d in decisions(Action.KEPT, reason) if d.site.line == line]

@@ -1483,6 +1483,9 @@ def _make_jump_hook(original: Callable) -> Callable:
                 # >>> device-side rewrite hook point (issue 13): Note [Rewriting a branch as a select]
                 if _try_branch(self, inst, truth_fn, push, site):
                     return None
+                if site is not None and site.fullgraph and decided and _rewriter is not None:
+                    refused = _rewriter.refusal(site)  # name it in the fullgraph error too
+                    decided = f"{decided}; not selected on the device: {refused}" if refused else decided
                 # <<<
                 return _stock(site, decided, lambda: original(self, inst))
             # Hoist the *decision*: keep the tested tensor itself on the stack when the

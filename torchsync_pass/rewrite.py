@@ -192,6 +192,13 @@ class Rewriter:
             _kept[_site_key(site)] = (Reason[reason], detail)
         self.kept(site, reason, detail)
 
+    def refusal(self, site: dynamo_hooks.SyncSite) -> Optional[str]:
+        """Why ``site`` keeps its sync instead of a rewrite or select (``"REASON: text (detail)"``),
+        or None when it was not refused; for the error raised under fullgraph=True."""
+        with _lock:
+            why = _kept.get(_site_key(site))
+        return None if why is None else f"{why[0].name}: {why[0].value} ({why[1]})"
+
     def branch_plan(self, *arms: list) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
         """The (index op, index) pairs whose index dynamo_hooks masks to 0 when the op's arm is not
         taken; raises ``dynamo_hooks.BranchRefused`` for an op the arm eager skips must not run."""
