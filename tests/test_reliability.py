@@ -394,6 +394,17 @@ CONES = [
 ]
 
 
+def stock_and_nosync_errors(fn, args, expected):
+    """The errors of ``fn(*args)`` compiled by stock Dynamo (backend="eager") and by nosync."""
+    errors = []
+    for backend in ("eager", NosyncBackend({"codegen": "eager"})):
+        torch._dynamo.reset()
+        with pytest.raises(expected) as info:
+            torch.compile(fn, backend=backend)(*args)
+        errors.append(info.value)
+    return errors
+
+
 @pytest.mark.parametrize("fn,action,reason,detail", CONES)
 def test_cone_decision_and_eager_result(fn, action, reason, detail):
     step = Compiled(fn)
@@ -424,14 +435,7 @@ def test_cone_decision_and_eager_result(fn, action, reason, detail):
 
 def test_custom_op_without_fake_fails_exactly_like_stock():
     """Dynamo itself cannot trace the op: nosync must raise the very error stock Dynamo raises."""
-    args = (torch.arange(3.0), torch.ones(4))
-    errors = []
-    for backend in ("eager", NosyncBackend({"codegen": "eager"})):
-        torch._dynamo.reset()
-        with pytest.raises(Exception) as info:
-            torch.compile(c_custom_nofake, backend=backend)(*args)
-        errors.append(info.value)
-    stock, ours = errors
+    stock, ours = stock_and_nosync_errors(c_custom_nofake, (torch.arange(3.0), torch.ones(4)), Exception)
     assert type(ours) is type(stock)
     assert "There was no fake impl registered for <CustomOpDef(tsp_reliability::triple_nofake)>" in str(ours)
     assert str(ours) == str(stock)
@@ -546,14 +550,7 @@ def test_user_exception_surfaces_unchanged(fn, bad, good, exc, message):
 
 def test_op_error_after_hoisted_sync_is_the_stock_dynamo_error():
     """An op that fails on its shapes fails while Dynamo traces it (fake tensors), as under stock."""
-    args = (torch.ones(3), torch.tensor(2.0))
-    errors = []
-    for backend in ("eager", NosyncBackend({"codegen": "eager"})):
-        torch._dynamo.reset()
-        with pytest.raises(RuntimeError) as info:
-            torch.compile(e_op_error_after_sync, backend=backend)(*args)
-        errors.append(info.value)
-    stock, ours = errors
+    stock, ours = stock_and_nosync_errors(e_op_error_after_sync, (torch.ones(3), torch.tensor(2.0)), RuntimeError)
     assert type(ours) is type(stock)
     assert "a and b must have same reduction dim, but got [1, 3] X [5, 2]" in str(ours)
     # identical up to the user frame's name (stock reports it in its resume function)

@@ -7,6 +7,7 @@ Cheap backends only (eager, aot_eager and hand-written callables), except one te
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -63,11 +64,11 @@ def line_of(fn, text: str) -> int:
     raise AssertionError(f"{text!r} not in {fn.__name__}")
 
 
+@contextlib.contextmanager
 def record_warnings():
-    ctx = warnings.catch_warnings(record=True)
-    caught = ctx.__enter__()
-    warnings.simplefilter("always")
-    return ctx, caught
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
 
 
 @dataclasses.dataclass
@@ -298,11 +299,8 @@ def test_wrong_compiled_fn_gives_one_warning_naming_output_and_user_line():
         results.append(verify_compiled(gm, perturb_output(gm, 1), example_inputs, strict=False, name="step_graph"))
         return gm.forward
 
-    ctx, caught = record_warnings()
-    try:
+    with record_warnings() as caught:
         torch.compile(graph_step, backend=wrong_backend)(torch.randn(8), torch.randn(8))
-    finally:
-        ctx.__exit__(None, None, None)
     ours = [w for w in caught if issubclass(w.category, VerificationWarning)]
     assert len(ours) == 1
     assert ours[0].category is VerificationWarning
@@ -324,11 +322,8 @@ def test_wrong_compiled_fn_gives_one_warning_naming_output_and_user_line():
 def test_strict_raises_verification_error_with_the_same_text():
     x, y = torch.randn(8), torch.randn(8)
     gm, example_inputs = capture(graph_step, x, y)
-    ctx, caught = record_warnings()
-    try:
+    with record_warnings() as caught:
         lenient = verify_compiled(gm, perturb_output(gm, 1), example_inputs, strict=False, name="g")
-    finally:
-        ctx.__exit__(None, None, None)
     with pytest.raises(VerificationError) as info:
         verify_compiled(gm, perturb_output(gm, 1), example_inputs, strict=True, name="g")
     assert isinstance(info.value, torchsync_pass.VerificationError)
@@ -352,11 +347,8 @@ def test_strict_error_inside_a_backend_reaches_the_user_through_dynamo():
 def test_correct_compiled_fn_passes_without_warning():
     x, y = torch.randn(8), torch.randn(8)
     gm, example_inputs = capture(graph_step, x, y)
-    ctx, caught = record_warnings()
-    try:
+    with record_warnings() as caught:
         result = verify_compiled(gm, gm.forward, example_inputs, strict=True, name="g")
-    finally:
-        ctx.__exit__(None, None, None)
     assert result.status is VerifyStatus.PASSED and result.ok and list(result) == []
     assert [w for w in caught if issubclass(w.category, VerificationWarning)] == []
 
@@ -382,11 +374,8 @@ def test_fake_example_inputs_fall_back_to_dynamo_grapharg_values():
         results.append(verify_compiled(gm, perturb_output(gm, 1), fakes, strict=False, name="g"))
         return gm.forward
 
-    ctx, caught = record_warnings()
-    try:
+    with record_warnings() as caught:
         torch.compile(graph_step, backend=fake_fed)(torch.randn(6), torch.randn(6))
-    finally:
-        ctx.__exit__(None, None, None)
     (result,) = results
     assert result.inputs_from == "grapharg"
     assert result.status is VerifyStatus.FAILED and only(result).path == "out[1]"
@@ -425,11 +414,8 @@ def test_missed_input_mutation_is_reported_and_real_inputs_untouched():
             args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
             return gm(*args)
 
-        ctx, caught = record_warnings()
-        try:
+        with record_warnings() as caught:
             checked["result"] = verify_compiled(gm, run, example_inputs, strict=False, name="g")
-        finally:
-            ctx.__exit__(None, None, None)
         checked["untouched"] = all(torch.equal(a, b) for a, b in zip(live, example_inputs))
         return gm.forward
 
@@ -471,12 +457,9 @@ def test_compiled_fn_that_raises_or_drops_outputs():
     def boom(*args):
         raise RuntimeError("kernel exploded")
 
-    ctx, caught = record_warnings()
-    try:
+    with record_warnings() as caught:
         raised = verify_compiled(gm, boom, example_inputs, strict=False, name="g")
         short = verify_compiled(gm, lambda *a: gm(*a)[:1], example_inputs, strict=False, name="g")
-    finally:
-        ctx.__exit__(None, None, None)
     assert only(raised).diffs == (Diff.ERROR,)
     assert only(raised).detail == "the compiled graph raised RuntimeError: kernel exploded"
     assert raised.message.splitlines()[0] == (
