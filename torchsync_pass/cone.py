@@ -180,6 +180,26 @@ _HIDDEN_WRITERS: dict[str, tuple[tuple[str, ...], str]] = {
 HIDDEN_WRITTEN_BUFFERS = ("running_mean", "running_var")
 
 
+# Graph nodes that change the global state the ops after them run under: ``with torch.no_grad()``,
+# ``torch.enable_grad()``, ``torch.inference_mode()``, ``torch.autocast(...)`` inside the traced
+# code (Dynamo emits them only where the mode changes).
+_GLOBAL_STATE_OPS = ("set_grad_enabled", "inference_mode", "autocast")
+
+
+def global_state_change(graph: fx.Graph) -> Optional[str]:
+    """The first node of ``graph`` that changes grad mode, inference mode or autocast (its
+    ``file:line``), or None.
+
+    NOTE: work moved out of the graph (computed once per request, or tabulated) would run under
+    the caller's state, not the region's: a tensor computed under ``no_grad`` inside the step would
+    carry autograd history, one under ``autocast`` would have other bits.
+    """
+    for n in graph.nodes:
+        if n.op in ("call_function", "call_method") and any(k in _target_name(n) for k in _GLOBAL_STATE_OPS):
+            return f"{_target_name(n)} at {_where(n)}"
+    return None
+
+
 def _bound_arguments(node: fx.Node) -> Optional[dict]:
     """``{argument name: value}`` of a call node, or None when its signature is unknown."""
     from .dynamo_hooks import op_schemas

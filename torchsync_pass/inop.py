@@ -447,7 +447,11 @@ def tabulate(gm: fx.GraphModule, opts: Any, compile_id: Optional[str]) -> Tabula
     placeholders = list(graph.find_nodes(op="placeholder"))
     leaves = {p: leaf for p in placeholders for leaf in [dynamo_hooks.leaf_of(p)] if leaf is not None}
     chosen: list[tuple[fx.Node, Callable, cone.ConeResult, Optional[fx.Node], set]] = []
+    region = cone.global_state_change(graph)
     for node, op in nodes:
+        if region is not None:
+            out.decisions.append(_decision(node, op, Action.KEPT, Reason.IN_OP_STATE_REGION, region, (), compile_id))
+            continue
         cone_nodes = cone.cone_of(node)
         index, why = _index_of(node, cone_nodes, leaves)
         if why:

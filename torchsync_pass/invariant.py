@@ -121,6 +121,8 @@ def _invariant_leaf(n: fx.Node, declared: tuple[str, ...]) -> Optional[str]:
         return None
     if leaf.example.is_inference() or (leaf.example.requires_grad and not decl):
         return None
+    if leaf.role == "buffer" and name.rsplit(".", 1)[-1] in cone.HIDDEN_WRITTEN_BUFFERS and not decl:
+        return None  # batch norm in training mode updates it without bumping _version (as for hoisting)
     if symbolic.free_symbols_of(leaf.example, cone._example(n)):
         return None
     return name
@@ -135,14 +137,6 @@ def guarded(n: fx.Node) -> bool:
     judged (and a site whose leaves change on every call is demoted, so a later graph has no tag).
     """
     return bool(n.meta.get(cone.HOISTED_LEAF_META))
-
-
-def _enters_global_state(graph: fx.Graph) -> bool:
-    for n in graph.nodes:
-        name = cone._target_name(n) if n.op in ("call_function", "call_method") else ""
-        if "autocast" in name:
-            return True
-    return False
 
 
 def _written_inputs(graph: fx.Graph) -> tuple[int, ...]:
@@ -223,7 +217,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         # Default: on for the eager codegen; opt-in under Inductor, where it was measured slower on a
         # CPU-bound step (Inductor fuses the invariant work for free; the runner costs per step).
         limit = DEFAULT_CACHE_BYTES if compile_step is None else 0
-    if limit == 0 or cone._autocast_devices() or _enters_global_state(graph):
+    if limit == 0 or cone._autocast_devices() or cone.global_state_change(graph) is not None:
         return InvariantSplit(False, gm.forward)
     inv, names, leaf_storages = _invariant_nodes(graph, opts.invariant)
     compile_id = dynamo_hooks.current_compile_id()
@@ -382,12 +376,26 @@ class InvariantRunner:
         except Exception:
             return True  # cannot tell: the unsplit graph is right either way
 
+    def _compute(self, leaves: tuple) -> Optional[tuple]:
+        # NOTE: the invariant part runs before the step's ops; an op of it that raises (an index out
+        # of range after a leaf changed) would raise before an in-place write the step makes first
+        try:
+            return tuple(self._invariant_fn(*leaves))
+        except Exception:
+            if self._whole_fn is None:  # nothing written: raising first is what eager shows
+                raise
+            return None
+
     def run_whole(self, args: tuple) -> Any:
         counters()["invariant_aliased_calls"] += 1
         return self._whole_fn(*args)
 
     def miss(self, args: tuple) -> Any:
-        """The values for a call that is not the last one's: memo lookup, or the invariant part."""
+        """The values for a call that is not the last one's: memo lookup, or the invariant part.
+
+        None when the invariant part raised and the graph writes an input: the caller runs the
+        unsplit graph, which raises the same error after the writes eager makes before it.
+        """
         leaves = tuple([args[i] for i in self.leaf_index])
         grad = torch.is_grad_enabled()
         if any(t.is_inference() for t in leaves) or (grad and any(t.requires_grad for t in leaves)):
@@ -397,7 +405,7 @@ class InvariantRunner:
             # Dynamo's guards dropped): the values carry this call's autograd graph, which a
             # backward frees, so they are never reused.
             counters()["invariant_computes"] += 1
-            return tuple(self._invariant_fn(*leaves))
+            return self._compute(leaves)
         state = (grad, bits_state(), torch.get_default_dtype())
         memo = self.memos.get(state)
         if memo is None:
@@ -407,7 +415,10 @@ class InvariantRunner:
             counters()["invariant_hits"] += 1
         else:
             counters()["invariant_computes"] += 1
-            e = memo.store(leaves, None, tuple(self._invariant_fn(*leaves)))
+            values = self._compute(leaves)
+            if values is None:
+                return None
+            e = memo.store(leaves, None, values)
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
         self.last = (grad, e.refs, fast_key(leaves, self.declared), e.value, state[1][0], state[2])
         return e.value
@@ -442,8 +453,11 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable
         indent = "        "  # values computed from no input at all (``torch.arange``): the same every call
     lines.append(indent + 'counters()["invariant_hits"] += 1')
     lines.append(indent + "return step(*args, *last[3])")
-    lines.append("    return step(*args, *runner.miss(args))")
-    env = {"runner": runner, "step": step, "counters": counters, "is_grad_enabled": torch.is_grad_enabled,
+    lines.append("    values = runner.miss(args)")
+    lines.append("    if values is None:")
+    lines.append("        return whole(*args)  # the invariant part raised: see InvariantRunner.miss")
+    lines.append("    return step(*args, *values)")
+    env = {"runner": runner, "step": step, "whole": runner._whole_fn, "counters": counters, "is_grad_enabled": torch.is_grad_enabled,
            "get_num_threads": torch.get_num_threads, "get_default_dtype": torch.get_default_dtype}
     exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
     return env["call"]

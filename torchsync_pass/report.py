@@ -84,6 +84,10 @@ class Reason(enum.Enum):
         "int index: its value at every index computed once per request by the same ops, read per step"
     )
     IN_OP_ALIASED = "the graph writes the op's result in place or returns it: a cached value could be changed"
+    IN_OP_STATE_REGION = (
+        "the graph changes grad mode, inference mode or autocast inside: a table computed once per "
+        "request would run under the caller's state, not the region's"
+    )
     IN_OP_INDUCTOR = (
         "Inductor codegen: Inductor computes the op's inputs with its own fused kernels, so a table "
         "computed by the eager ops would not be bitwise equal to stock Inductor; use codegen='eager'"
