@@ -259,6 +259,23 @@ def test_wrappers_removed_after_exit():
     assert after == before
 
 
+def test_tensors_stay_non_sequences_under_and_after_the_counter():
+    """torch.tensor() of a list of 0-d tensors (Qwen2-VL's get_rope_index builds its rope deltas so)
+    works under count_syncs() and after it, for torch.Tensor and its subclasses: the wrapped
+    __getitem__ must not make tensors Python sequences (Note [Tensor __getitem__ and the sequence
+    protocol]); boolean-mask indexing is still counted."""
+    def scalars():
+        return [torch.tensor(3), torch.nn.Parameter(torch.tensor(4.0), requires_grad=False)]
+
+    expected = torch.tensor([3.0, 4.0])
+    with count_syncs() as c:
+        inside = torch.tensor(scalars())
+        k_mask_index(X)
+    after = torch.tensor(scalars())
+    for got in (inside, after):
+        assert torch.equal(got, expected) and got.dtype == expected.dtype
+    assert c.by_kind["mask_index"] == 1, c.summary()
+
 def test_interception_only_mode():
     with count_syncs(profiler=False) as c:
         k_item(X)

@@ -48,6 +48,8 @@ private name                                                     used by
 ``torch._dynamo.utils.get_compilation_metrics``                  :class:`CompilationWatch`
 ``torch.fx._lazy_graph_module._LazyGraphModule``                 :func:`graph_forward`
 ``torch._C._dynamo.guards.TensorGuards``                         :func:`tensor_match`
+``torch._C.TensorBase.__getitem__``; CPython's type layout       :func:`keep_tensors_non_sequences`
+(``PyTypeObject.tp_as_sequence->sq_item``, through ctypes)
 ===============================================================  ==============================
 
 NOTE: :func:`symint_hint` asks ``guarding_hint_or_throw`` only when ``node.hint`` is missing; it
@@ -371,6 +373,8 @@ def patch_tensor_methods(wrappers: dict[str, Callable[..., Any]]) -> Callable[[]
     saved = {name: torch.Tensor.__dict__.get(name, _ABSENT) for name in wrappers}
     for name, wrapper in wrappers.items():
         setattr(torch.Tensor, name, wrapper)
+    if "__getitem__" in wrappers:
+        keep_tensors_non_sequences()
 
     def restore() -> None:
         for name, old in saved.items():
@@ -379,9 +383,82 @@ def patch_tensor_methods(wrappers: dict[str, Callable[..., Any]]) -> Callable[[]
                     delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, old)
+        if "__getitem__" in saved:
+            keep_tensors_non_sequences()
         saved.clear()
 
     return restore
+
+
+# NOTE [Tensor __getitem__ and the sequence protocol]: torch.Tensor gets ``__getitem__`` from the C
+# type ``TensorBase`` as a *mapping* slot only, so ``PySequence_Check(tensor)`` is false and
+# ``torch.tensor([t0, t1])`` of 0-d tensors reads each as a scalar. Setting a Python
+# ``__getitem__`` on the class makes CPython fill the *sequence* slot ``sq_item`` as well (of the
+# class and of every subclass), and deleting it again does not empty that slot (both slots of the
+# name are filled by then, so CPython keeps the generic one). From then on
+# ``torch.tensor([torch.tensor(3)])`` calls ``len()`` of a 0-d tensor and raises ``TypeError``:
+# ``count_syncs()`` would break programs (Qwen2-VL's ``get_rope_index`` builds its deltas so), and
+# the process stayed broken after the counter ended. :func:`keep_tensors_non_sequences` empties
+# ``sq_item`` again on each class whose ``__getitem__`` is TensorBase's or the counter's wrapper.
+_TP_AS_SEQUENCE = 13  # PyTypeObject.tp_as_sequence, in pointers (3.11-3.13, no Py_TRACE_REFS)
+_TP_BASICSIZE = 4  # PyTypeObject.tp_basicsize, in pointers: the layout check
+_SQ_ITEM = 3  # PySequenceMethods.sq_item, in pointers
+_sequence_slot_warned = False
+
+
+def _sq_item_address(tp: type) -> Optional[int]:
+    """The address of ``tp``'s ``sq_item`` slot, or None where the layout is not the one known."""
+    import ctypes
+
+    word = ctypes.sizeof(ctypes.c_void_p)
+    if sys.implementation.name != "cpython" or hasattr(sys, "getobjects"):
+        return None
+    if ctypes.c_ssize_t.from_address(id(tp) + _TP_BASICSIZE * word).value != tp.__basicsize__:
+        return None
+    seq = ctypes.c_void_p.from_address(id(tp) + _TP_AS_SEQUENCE * word).value
+    # a heap type's PySequenceMethods sit inside its own PyHeapTypeObject
+    if not seq or not id(tp) < seq < id(tp) + type.__basicsize__:
+        return None
+    return seq + _SQ_ITEM * word
+
+
+def _classes_under(root: type) -> list[type]:
+    out, todo = [], [root]
+    while todo:
+        tp = todo.pop()
+        if tp not in out:
+            out.append(tp)
+            todo.extend(type.__subclasses__(tp))
+    return out
+
+
+def keep_tensors_non_sequences() -> bool:
+    """Empty the ``sq_item`` slot that a Python ``__getitem__`` on torch.Tensor filled (see
+    Note [Tensor __getitem__ and the sequence protocol]); True when every class was put right.
+
+    Only classes whose ``__getitem__`` is TensorBase's, or the one torch.Tensor holds itself (the
+    counter's wrapper) are touched: a subclass with its own ``__getitem__`` is a sequence by its
+    own choice. Unknown layout: one warning, nothing written.
+    """
+    import ctypes
+
+    global _sequence_slot_warned
+    base = torch._C.TensorBase.__dict__["__getitem__"]
+    own = torch.Tensor.__dict__.get("__getitem__", base)
+    ok = True
+    for tp in _classes_under(torch.Tensor):
+        if getattr(tp, "__getitem__", None) not in (base, own):
+            continue
+        addr = _sq_item_address(tp)
+        if addr is None:
+            ok = False
+            continue
+        ctypes.c_void_p.from_address(addr).value = None
+    if not ok and not _sequence_slot_warned:
+        _sequence_slot_warned = True
+        log.warning("torchsync_pass: unknown type layout; while count_syncs() wraps "
+                    "Tensor.__getitem__, torch.tensor([t0, t1]) of 0-d tensors may raise TypeError")
+    return ok
 
 
 def profiler_range(name: str) -> Any:
