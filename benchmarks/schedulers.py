@@ -1,4 +1,4 @@
-"""Per-scheduler sync table: diffusers' own ``scheduler.step`` loops and Llama ``generate``.
+"""Per-scheduler sync table: diffusers' own ``scheduler.step`` loops, Llama and Qwen2-VL ``generate``.
 
 For each diffusers scheduler (EulerDiscrete, EulerAncestralDiscrete, HeunDiscrete, LMSDiscrete,
 DDIM, DPMSolverMultistep, UniPCMultistep, FlowMatchEulerDiscrete) it runs the pipeline's loop
@@ -15,7 +15,10 @@ the denoiser and ``scheduler.step`` compiled, three requests of ``--steps`` step
 - why a sync remains: the nosync decision recorded at that line, or the sync kind where nosync
   never saw it (an op-internal or host-local sync).
 
-Then Llama ``generate`` (a tiny random LlamaConfig, greedy, the LM's forward compiled) the same way.
+Then Llama ``generate`` (a tiny random LlamaConfig, greedy, the LM's forward compiled) the same way,
+and Qwen2-VL ``generate`` with an image in the prompt (``examples/qwen2_vl_generate.py``): its
+syncs/step and graphs/step are per steady decode step (``generate`` of ``--tokens`` and of twice as
+many new tokens on the same request, the difference per token), not averaged over the whole call.
 
     python benchmarks/schedulers.py [--steps 8] [--denoiser tiny|unet] [--out benchmarks/results/schedulers]
 
@@ -216,11 +219,41 @@ def bench_llama(tokens: int) -> dict:
     }
 
 
+def bench_qwen2vl(tokens: int) -> dict:
+    """Qwen2-VL generate with an image (examples/qwen2_vl_generate.py): steady per decode step."""
+    import qwen2_vl_generate as qv
+
+    t0 = time.perf_counter()
+    qv.quiet()
+    ref, stock, nos = (qv.run(kind, tokens) for kind in ("eager", "stock", "nosync"))
+    stop_check = os.path.join("transformers", "generation", "utils.py")
+    remaining = [f"{_short(k.file)}:{k.line} ({n:g}/step: " + (
+        "generate's stop check bool(unfinished_sequences.max() == 0), outside the compiled forward, new every step)"
+        if k.file.endswith(stop_check) else "a sync per decode step, not classified here)")
+        for k, n in nos["step_sites"].items()]
+    return {
+        "case": "Qwen2-VL generate, image prompt (forward compiled)",
+        "eager_syncs_per_step": ref["syncs_per_step"],
+        "stock_syncs_per_step": stock["syncs_per_step"],
+        "nosync_syncs_per_step": nos["syncs_per_step"],
+        "stock_graphs_per_step": stock["graphs_per_step"],
+        "nosync_graphs_per_step": nos["graphs_per_step"],
+        "stock_compiles": stock["compiles"],
+        "nosync_compiles": nos["compiles"],
+        "stock_prefill": {"graphs": stock["prefill_graphs"], "forward_syncs": stock["forward_syncs"][0]},
+        "nosync_prefill": {"graphs": nos["prefill_graphs"], "forward_syncs": nos["forward_syncs"][0]},
+        "bitwise": all(qv.same_bits(a, b) for a, b in zip(nos["outs"], ref["outs"])),
+        "remaining": remaining,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
 def render(rows: list[dict], args: argparse.Namespace) -> str:
     import diffusers
     import transformers
 
-    head = (f"`python benchmarks/schedulers.py --steps {args.steps} --denoiser {args.denoiser}` on "
+    only = f" --tokens {args.tokens} --only {' '.join(args.only)}" if args.only else ""
+    head = (f"`python benchmarks/schedulers.py --steps {args.steps} --denoiser {args.denoiser}{only}` on "
             f"{platform.processor() or platform.machine()}, torch {torch.__version__}, Python "
             f"{platform.python_version()}, diffusers {diffusers.__version__}, transformers "
             f"{transformers.__version__}. Stock: Dynamo with `backend=\"eager\"` (the same graph splits "
@@ -228,6 +261,10 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
             "(third on) of the third request; graphs/step: compiled graphs run per step (mean over the third request, whose first two steps run more); compiles: "
             "graphs compiled over 3 requests; bitwise: nosync's final latents (tokens) of every request "
             "equal eager's.\n")
+    if any(r["case"].startswith("Qwen2-VL") for r in rows):
+        head += ("Qwen2-VL: syncs/step and graphs/step per steady decode step (generate of `--tokens` and of "
+                 "twice as many new tokens on the same request, the difference per token); compiles over 2 "
+                 "requests and those two calls; bitwise: the tokens and every step's logits.\n")
     lines = [head, "| case | syncs/step (eager; stock → nosync) | graphs/step (stock → nosync) | compiles (stock → nosync) | bitwise | syncs left under nosync: why |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -248,17 +285,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--denoiser", choices=("tiny", "unet"), default="tiny")
-    p.add_argument("--only", nargs="*", default=None, help="scheduler names (and/or 'llama')")
+    p.add_argument("--only", nargs="*", default=None, help="scheduler names (and/or 'llama', 'qwen2vl')")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "schedulers"))
     args = p.parse_args(argv)
     dp.quiet_diffusers()
     warnings.filterwarnings("ignore")
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
-    names = args.only if args.only else list(dp.SCHEDULERS) + ["llama"]
+    names = args.only if args.only else list(dp.SCHEDULERS) + ["llama", "qwen2vl"]
     rows = []
     for name in names:
         try:
-            row = bench_llama(args.tokens) if name == "llama" else bench_scheduler(name, args.steps, args.denoiser)
+            if name in ("llama", "qwen2vl"):
+                row = (bench_llama if name == "llama" else bench_qwen2vl)(args.tokens)
+            else:
+                row = bench_scheduler(name, args.steps, args.denoiser)
         except ImportError as e:  # LMSDiscrete needs scipy
             row = {"case": dp.SCHEDULERS.get(name, name), "skipped": str(e).strip().splitlines()[0]}
         print(json.dumps({k: v for k, v in row.items()}), flush=True)

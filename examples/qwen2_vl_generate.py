@@ -9,7 +9,10 @@ same request, and the difference, divided by ``tokens``, is what each further de
 (syncs, compiled graphs run, and the sites that sync). Per forward call it also counts the syncs
 inside the compiled forward (prefill, then each decode step).
 
-    python examples/qwen2_vl_generate.py [--tokens 4] [--requests 2]
+    python examples/qwen2_vl_generate.py [--tokens 4] [--requests 2] [--loop generate|forward]
+
+``--loop forward`` runs the same requests through a hand-written prefill + decode loop that calls
+the compiled model itself, the vision tower inside the prefill (:func:`run_forward_loop`).
 
 NOTE: in transformers 5.24 the multimodal questions (which token types are present:
 ``mm_token_type_ids.tolist()``; the vision grid: ``grid_thw[i].item()``, ``grid_thw.tolist()``) are
@@ -105,6 +108,38 @@ def run(kind: str, tokens: int = 4, requests: int = 2) -> dict[str, Any]:
             "compiles": counter.compiled if counter else 0}
 
 
+def run_forward_loop(kind: str, tokens: int = 4, requests: int = 2) -> dict[str, Any]:
+    """The same requests through a hand-written loop that calls the compiled model itself: a prefill
+    with ``pixel_values`` (the vision tower and the 3D rope positions inside the compiled forward),
+    then greedy decode steps with the cache and no ``position_ids`` (the model derives them from its
+    cached ``rope_deltas``). Per call of the last request: (syncs, compiled graphs run)."""
+    from transformers import DynamicCache
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    model = build()
+    step, counter = model, None
+    if kind != "eager":
+        counter = Counting(torchsync_pass.NosyncBackend({"codegen": "eager"}) if kind == "nosync" else "eager")
+        step = torch.compile(model, backend=counter)
+    tokens_out, per_call = [], []
+    for r in range(requests):
+        req, cache, per_call = request(r), DynamicCache(config=model.config), []
+        model.model.rope_deltas = None  # a new request
+        kwargs: dict[str, Any] = dict(req, cache=cache, use_cache=True)
+        out_ids = []
+        with torch.no_grad():
+            for _ in range(tokens):
+                before = counter.runs if counter else 0
+                with torchsync_pass.count_syncs() as c:
+                    logits = step(**kwargs).logits
+                per_call.append((c.total, (counter.runs - before) if counter else 0))
+                out_ids.append(logits[:, -1].argmax(-1, keepdim=True))
+                kwargs = dict(input_ids=out_ids[-1], cache=cache, use_cache=True)
+        tokens_out.append(torch.cat(out_ids, 1))
+    return {"tokens": tokens_out, "per_call": per_call, "compiles": counter.compiled if counter else 0}
+
+
 def same_bits(a: Any, b: Any) -> bool:
     """The generated tokens and every step's logits: torch.equal with equal dtype, shape, stride."""
     pairs = [(a.sequences, b.sequences), *zip(a.logits, b.logits)]
@@ -124,8 +159,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4)
     p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--loop", choices=("generate", "forward"), default="generate",
+                   help="model.generate, or a hand-written prefill + decode loop calling the model")
     args = p.parse_args(argv)
     quiet()
+    if args.loop == "forward":
+        ref = run_forward_loop("eager", args.tokens, args.requests)
+        for kind in ("eager", "stock", "nosync"):
+            res = ref if kind == "eager" else run_forward_loop(kind, args.tokens, args.requests)
+            same = all(torch.equal(a, b) for a, b in zip(res["tokens"], ref["tokens"]))
+            print(f"{kind:6}  (syncs, graphs) per call of the last request {res['per_call']}  "
+                  f"compiles {res['compiles']}  tokens equal to eager: {same}")
+        return 0
     ref = run("eager", args.tokens, args.requests)
     for kind in ("eager", "stock", "nosync"):
         res = ref if kind == "eager" else run(kind, args.tokens, args.requests)
