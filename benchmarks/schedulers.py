@@ -198,13 +198,9 @@ def run_generate(kind: str, tokens: int, requests: int = 3) -> dict:
             "sites": {}}
 
 
-def bench_llama(tokens: int) -> dict:
-    t0 = time.perf_counter()
-    ref = run_generate("eager", tokens)
-    stock = run_generate("stock", tokens)
-    nos = run_generate("nosync", tokens)
+def _generate_counts(ref: dict, stock: dict, nos: dict) -> dict:
+    """The table columns of a generate case, from its eager, stock and nosync runs."""
     return {
-        "case": "Llama generate (LM forward compiled)",
         "eager_syncs_per_step": ref["syncs_per_step"],
         "stock_syncs_per_step": stock["syncs_per_step"],
         "nosync_syncs_per_step": nos["syncs_per_step"],
@@ -212,6 +208,17 @@ def bench_llama(tokens: int) -> dict:
         "nosync_graphs_per_step": nos["graphs_per_step"],
         "stock_compiles": stock["compiles"],
         "nosync_compiles": nos["compiles"],
+    }
+
+
+def bench_llama(tokens: int) -> dict:
+    t0 = time.perf_counter()
+    ref = run_generate("eager", tokens)
+    stock = run_generate("stock", tokens)
+    nos = run_generate("nosync", tokens)
+    return {
+        "case": "Llama generate (LM forward compiled)",
+        **_generate_counts(ref, stock, nos),
         "bitwise": all(torch.equal(a, b) for a, b in zip(nos["out"], ref["out"])),
         "remaining": ["generate's stop check (unfinished_sequences.max() == 0) runs outside the compiled "
                       "forward and changes every step"] if nos["syncs_per_step"] else [],
@@ -233,13 +240,7 @@ def bench_qwen2vl(tokens: int) -> dict:
         for k, n in nos["step_sites"].items()]
     return {
         "case": "Qwen2-VL generate, image prompt (forward compiled)",
-        "eager_syncs_per_step": ref["syncs_per_step"],
-        "stock_syncs_per_step": stock["syncs_per_step"],
-        "nosync_syncs_per_step": nos["syncs_per_step"],
-        "stock_graphs_per_step": stock["graphs_per_step"],
-        "nosync_graphs_per_step": nos["graphs_per_step"],
-        "stock_compiles": stock["compiles"],
-        "nosync_compiles": nos["compiles"],
+        **_generate_counts(ref, stock, nos),
         "stock_prefill": {"graphs": stock["prefill_graphs"], "forward_syncs": stock["forward_syncs"][0]},
         "nosync_prefill": {"graphs": nos["prefill_graphs"], "forward_syncs": nos["forward_syncs"][0]},
         "bitwise": all(qv.same_bits(a, b) for a, b in zip(nos["outs"], ref["outs"])),
