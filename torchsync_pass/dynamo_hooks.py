@@ -45,6 +45,7 @@ import types
 import warnings
 import weakref
 import dataclasses
+import dis
 from dataclasses import dataclass, field
 from typing import Any, Callable, NoReturn, Optional
 
@@ -900,14 +901,10 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
     table = tx.stack[-1].realize()
     src = _source_name(getattr(table, "source", None)) or "<a value built in the step>"
     if table.is_tensor():
-        tex = table.as_proxy().node.meta.get("example_value")
-        if not isinstance(tex, torch.Tensor) or tex.dim() == 0 or not all(isinstance(d, int) for d in tex.shape):
-            return None, ("REWRITE_TABLE", "a 0-d tensor or a tensor with symbolic sizes")
-        if tex.shape[0] == 0 or tuple(tex.stride()[1:]) != _contiguous_strides(tex.shape[1:]):
-            return None, ("REWRITE_TABLE", f"rows of {src} are not contiguous: eager's row would be a strided view")
-        if tex.device != ex.device:
-            return None, ("REWRITE_TABLE", f"{src} is on {tex.device}, the index on {ex.device}")
-        return table, RewriteUse("tensor", src, int(tex.shape[0]))
+        problem = _tensor_table_problem(table, src, ex.device)
+        if problem is not None:
+            return None, ("REWRITE_TABLE", problem)
+        return table, RewriteUse("tensor", src, int(table.as_proxy().node.meta["example_value"].shape[0]))
     if type(table).__name__ not in ("ListVariable", "TupleVariable"):
         return None, ("REWRITE_TABLE", f"{src} is a {table.python_type_name()}, not a tensor or a list of tensors")
     items = table.items
@@ -934,6 +931,18 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
         if meta[2] != ex.device:
             return None, ("REWRITE_TABLE", f"the tensors of {src} are on {meta[2]}, the index on {ex.device}")
     return table, RewriteUse("list", src, len(items))
+
+
+def _tensor_table_problem(table: Any, src: str, device: torch.device) -> Optional[str]:
+    """Why a gather of one row of the tensor ``table`` would not be eager's row (None: it would)."""
+    tex = table.as_proxy().node.meta.get("example_value")
+    if not isinstance(tex, torch.Tensor) or tex.dim() == 0 or not all(isinstance(d, int) for d in tex.shape):
+        return "a 0-d tensor or a tensor with symbolic sizes"
+    if tex.shape[0] == 0 or tuple(tex.stride()[1:]) != _contiguous_strides(tex.shape[1:]):
+        return f"rows of {src} are not contiguous: eager's row would be a strided view"
+    if tex.device != device:
+        return f"{src} is on {tex.device}, the index on {device}"
+    return None
 
 
 def _contiguous_strides(shape: Any) -> tuple:
@@ -998,6 +1007,156 @@ def _try_rewrite(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
     tx.pop()  # the table; the CALL pushes the row in place of ``table[value]``
     tx.instruction_pointer += 1  # skip the BINARY_SUBSCR
     return row, None
+
+
+# NOTE [Rewriting a subscript at a tensor index]: ``table[t]`` with ``t`` a 0-d integer tensor
+# (``self.alphas_cumprod[timestep]`` in diffusers' DDIMScheduler, ``timestep`` an element of
+# ``scheduler.timesteps``) reads ``t`` to the host inside the subscript: eager's indexing calls
+# ``t.item()`` and returns ``table.select(0, i)``. Dynamo traces ``operator.getitem(table, t)`` and
+# fake-propagates it before any TensorVariable method is called, so no hook above ever sees it: when
+# ``t`` was computed in the step, its fake tensor cannot run the read and the graph breaks at the
+# BINARY_SUBSCR; when ``t`` is an input, its fake tensor carries a backed symbol for its value
+# (``item_memo``), which the select specializes: a guard that reads ``t`` at every call and one
+# recompile per value (diffusers' ``timestep``). The BINARY_SUBSCR handler of each
+# translator is wrapped instead: in user code of a nosync frame, when the subscripted value is a
+# plain tensor and the key a plain 0-d integer tensor (not uint8 or bool: those index as masks),
+# the hook traces ``aten.index(table, [t])`` as for ``table[t.item()]`` (the same table checks,
+# policy, records and graph checks, kind "index") and pushes the row. Anything else, and a site the
+# policy refuses, goes to Dynamo's own handler.
+# NOTE: the rewrite runs outside Dynamo's ``break_graph_if_unsupported`` wrapper of BINARY_SUBSCR,
+# which takes a speculation checkpoint only to graph-break there; a subscript that is rewritten
+# never breaks, and the decision is the same in a retrace (a refusal restarts the analysis with a
+# cleared speculation log, see restart_analysis).
+SUBSCR_KIND = "index"
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+def _peek_tensor(v: Any) -> Any:
+    """``v`` realized when it is a plain TensorVariable (a lazy one is realized only then), else None."""
+    if hasattr(v, "is_realized"):  # a LazyVariableTracker
+        if not v.is_realized() and type(v.peek_value()) not in (torch.Tensor, torch.nn.Parameter):
+            return None
+        v = v.realize()
+    return v if type(v).__name__ == "TensorVariable" else None
+
+
+def _try_subscript(tx: Any) -> bool:
+    """Trace ``table[t]`` (a tensor at a 0-d integer tensor) as a gather; True when done (the two
+    operands popped, the row pushed), False: Dynamo's handler runs."""
+    if _rewriter is None or getattr(_state, "in_stock", False) or len(tx.stack) < 2:
+        return False
+    options = _nosync_options(tx)
+    if options is None:
+        return False
+    key = _peek_tensor(tx.stack[-1])
+    ex = key.as_proxy().node.meta.get("example_value") if key is not None else None
+    if (not isinstance(ex, torch.Tensor) or ex.dim() != 0 or ex.dtype not in _INT_DTYPES
+            or ex.dtype in _MASK_DTYPES):
+        return False
+    table = _peek_tensor(tx.stack[-2])
+    if table is None or _user_translator(tx) is not tx or tx.output.current_tracer is not tx.output.root_tracer:
+        return False
+    src = _source_name(getattr(table, "source", None)) or "<a value built in the step>"
+    try:
+        site = _describe(tx, key, SUBSCR_KIND, options)
+    except Exception as e:
+        _describe_failed(SUBSCR_KIND, options, e)
+        return False
+    problem = _tensor_table_problem(table, src, ex.device)
+    if problem is not None:
+        _rewriter.kept(site, "REWRITE_TABLE", problem)
+        return False
+    _state.busy = True
+    try:
+        use = _rewriter.allow(site, RewriteUse("tensor", src, int(table.as_proxy().node.meta["example_value"].shape[0])))
+    finally:
+        _state.busy = False
+    if use is None:
+        return False  # refused earlier (recorded then): Dynamo's handler breaks the graph as stock
+    idx = key if ex.dtype == torch.int64 else _traced(tx, "call_method", "to", key.as_proxy(), torch.int64)
+    row = _traced(tx, "call_function", torch.ops.aten.index.Tensor, table.as_proxy(), [idx.as_proxy()])
+    row.as_proxy().node.meta[REWRITE_META] = use
+    tx.popn(2)
+    tx.push(row)
+    return True
+
+
+def _make_subscr_hook(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def hook(self: Any, inst: Any) -> Any:
+        # >>> device-side rewrite hook point: Note [Rewriting a subscript at a tensor index]
+        if _try_subscript(self):
+            return None
+        # <<<
+        return original(self, inst)
+
+    hook.__nosync_hook__ = True  # type: ignore[attr-defined]
+    return hook
+
+
+# NOTE [Identity comparisons a select could change]: a select (Note [Rewriting a branch as a
+# select]) is a copy, not the arm's object, so an ``is`` / ``in`` that compares it by identity could
+# answer otherwise than eager. Instead of refusing every graph whose traced code contains an ``is``
+# or ``in`` anywhere (``name in self.keys()`` in diffusers' BaseOutput.__setattr__ made every DDIM
+# step keep its syncs), the IS_OP and CONTAINS_OP handlers of each translator note each comparison
+# Dynamo traces whose operands are both other than Python constants (a str, an int, None, a class,
+# a tuple of those: none can be or hold a tensor, so its answer is the same for the copy and the
+# arm), on the OutputGraph; :func:`identity_uses` hands them to the graph check. ``id`` and
+# ``operator.is_`` are still found in the traced code by name (rewrite.py).
+_IDENTITY_ATTR = "_nosync_identity_uses"
+_IDENTITY_OPS = ("IS_OP", "CONTAINS_OP")
+
+
+def _identity_hooked() -> bool:
+    """Are IS_OP / CONTAINS_OP hooked? Only where the select runs (SELECT_MIN_TORCH)."""
+    return _torch_version() >= SELECT_MIN_TORCH
+
+
+# variables that can never be or hold a tensor (by class name: an unknown or renamed one counts as
+# one that can, and the select keeps its sync)
+_IDENTITY_FREE_VARS = ("ConstantVariable", "EnumVariable", "UserDefinedClassVariable")
+
+
+def _identity_free(v: Any, depth: int = 0) -> bool:
+    """Is ``v`` a Python constant (a str, a number, None, a class, a tuple or list of those), which
+    can neither be nor hold a tensor? Decided without realizing anything (no guard is added)."""
+    if hasattr(v, "is_realized"):  # a LazyVariableTracker
+        if not v.is_realized():
+            return type(v.peek_value()) in _PLAIN
+        v = v.realize()
+    name = type(v).__name__
+    if name in ("TupleVariable", "ListVariable") and depth == 0:
+        return all(_identity_free(i, 1) for i in v.items)
+    return name in _IDENTITY_FREE_VARS
+
+
+def _make_identity_hook(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def hook(self: Any, inst: Any) -> Any:
+        if (len(self.stack) >= 2 and _nosync_options(self) is not None
+                and not (_identity_free(self.stack[-1]) or _identity_free(self.stack[-2]))):
+            where = getattr(inst, "positions", None)
+            line = where.lineno if where is not None and where.lineno else self.lineno
+            self.output.__dict__.setdefault(_IDENTITY_ATTR, []).append(f"{self.f_code.co_filename}:{line}")
+        return original(self, inst)
+
+    hook.__nosync_hook__ = True  # type: ignore[attr-defined]
+    return hook
+
+
+def identity_uses() -> Optional[list[str]]:
+    """'file:line' of each ``is`` / ``in`` between objects traced into the graph being compiled
+    (Note [Identity comparisons a select could change]); None when no translator is current or
+    the comparisons are not hooked."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    if not _identity_hooked() or not _installed or _disabled_reason is not None:
+        return None
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # no translator ever ran on this thread
+        tx = None
+    return None if tx is None else list(tx.output.__dict__.get(_IDENTITY_ATTR, ()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1635,6 +1794,40 @@ def _patch() -> None:
                     found += 1
     if not found:
         raise AttributeError("no generic_jump handlers found on the instruction translators")
+    _patch_subscript()
+
+
+def _patch_subscript() -> None:
+    """Wrap the BINARY_SUBSCR handler (Note [Rewriting a subscript at a tensor index]) and, where
+    the select runs (torch 2.13+), the IS_OP / CONTAINS_OP handlers (Note [Identity comparisons a
+    select could change])."""
+    _patch_opcode("BINARY_SUBSCR", _make_subscr_hook)
+    if _identity_hooked():
+        for opname in _IDENTITY_OPS:
+            _patch_opcode(opname, _make_identity_hook)
+
+
+def _patch_opcode(opname: str, make: Callable[[Callable], Callable]) -> None:
+    """Wrap the handler of ``opname``: the class attribute where a translator class defines it,
+    and its dispatch_table entry in every class."""
+    opcode = dis.opmap.get(opname)
+    if opcode is None:
+        raise AttributeError(f"this Python has no {opname} opcode")
+    hooks: dict[int, Callable] = {}
+    found = 0
+    for cls in _translator_classes():
+        fn = cls.__dict__.get(opname)
+        if fn is not None and not getattr(fn, "__nosync_hook__", False):
+            _originals.setdefault(f"{cls.__qualname__}.{opname}", fn)
+            setattr(cls, opname, hooks.setdefault(id(fn), make(fn)))
+        table = cls.__dict__.get("dispatch_table")
+        fn = table[opcode] if isinstance(table, list) else None
+        if fn is not None and not getattr(fn, "__nosync_hook__", False):
+            _originals.setdefault(f"{cls.__qualname__}.dispatch_table[{opcode}]", fn)
+            table[opcode] = hooks.setdefault(id(fn), make(fn))
+            found += 1
+    if not found:
+        raise AttributeError(f"no {opname} handler found on the instruction translators")
 
 
 def _unpatch() -> None:
@@ -1675,9 +1868,11 @@ class _SelfTestBackend:
 
     def __init__(self) -> None:
         self.graphs = 0
+        self.identity_uses: list[str] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
         self.graphs += 1
+        self.identity_uses += identity_uses() or []
         return gm.forward
 
 
@@ -1713,6 +1908,16 @@ def f_jump(x):
     if x.sum() > 0:
         return x + 1
     return x - 1
+
+def f_subscript(x):
+    return x * x[x.sum() - 4]
+
+def f_is(x):
+    y = x + 1
+    return x * 2 if y is x else x * 3
+
+def f_contains(x):
+    return x * 2 if x in {x: 1} else x * 3
 """
 
 
@@ -1735,7 +1940,25 @@ def _self_test_fns() -> dict[str, Callable]:
             continue
         out[f"TensorVariable.{attr}"] = fn
     out["generic_jump (dispatch_table)"] = env["f_jump"]
+    out["BINARY_SUBSCR (dispatch_table)"] = env["f_subscript"]
+    if _identity_hooked():
+        out["IS_OP (dispatch_table)"] = env["f_is"]
+        out["CONTAINS_OP (dispatch_table)"] = env["f_contains"]
     return out
+
+
+class _ProbeRewriter:
+    """The self-test's rewrite policy: allows every rewrite and notes its kind."""
+
+    def __init__(self, seen: list) -> None:
+        self.seen = seen
+
+    def allow(self, site: SyncSite, use: RewriteUse) -> RewriteUse:
+        self.seen.append(site.kind)
+        return use
+
+    def kept(self, site: SyncSite, reason: str, detail: str) -> None:
+        pass
 
 
 def self_test(verbose: bool = False) -> dict[str, bool]:
@@ -1772,18 +1995,21 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
     from torch._dynamo.utils import counters
 
     saved_counters = {k: dict(v) for k, v in counters.items()}
+    saved_rewriter = _rewriter
     _state.self_test = True
     _policy = probe_policy
     _backend_matcher = lambda fn: isinstance(fn, _SelfTestBackend)  # noqa: E731
+    install_rewriter(_ProbeRewriter(seen))
     try:
         for name, fn in _self_test_fns().items():
             seen.clear()
-            ints = fn.__name__ in ("f_tolist", "f_index", "f_int")
+            ints = fn.__name__ in ("f_tolist", "f_index", "f_int", "f_subscript")
             x = torch.tensor([2, 3]) if ints else torch.tensor([2.0, 3.0])
             try:
                 backend = _SelfTestBackend()
                 got = torch.compile(fn, backend=backend)(x)
-                ok = bool(seen) and backend.graphs == 1 and torch.equal(got, fn(x))
+                fired = backend.identity_uses if fn.__name__ in ("f_is", "f_contains") else seen
+                ok = bool(fired) and backend.graphs == 1 and torch.equal(got, fn(x))
             except Exception:
                 log.debug("nosync self-test %s failed", name, exc_info=True)
                 ok = False
@@ -1793,6 +2019,7 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
     finally:
         _state.self_test = False
         _policy, _backend_matcher = saved
+        install_rewriter(saved_rewriter)
         counters.clear()
         for k, v in saved_counters.items():
             counters[k].update(v)

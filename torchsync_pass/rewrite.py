@@ -335,7 +335,7 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
             _record(use, Action.KEPT, Reason.REWRITE_ALIASED, problem, compile_id)
             dynamo_hooks.restart_analysis(f"nosync: {use.site}: {problem}; keeping the sync")
     branch_rows = [r for r in rows if _use(r).form == "branch"]
-    used = _identity_use(tuple(_torch_private.traced_code())) if branch_rows else None
+    used = _identity_found() if branch_rows else None
     if used is not None:
         problem = (f"{used} compares objects by identity (`is`, id()): a select is a copy, not the arm's "
                    "object; checked over every function traced into this graph")
@@ -384,26 +384,38 @@ _PUSH_ONE = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_
 
 
 @functools.lru_cache(maxsize=4096)
-def _identity_in(code: types.CodeType) -> Optional[str]:
+def _identity_in(code: types.CodeType, ops: bool = True) -> Optional[str]:
     """'file:line' of the first ``is`` / ``is not`` / ``in`` in ``code`` (or a function, lambda or
     comprehension it defines) not against a literal (``x is None``, ``"k" in d``), or of a use of
-    ``id`` / ``operator.is_`` / ``is_not``."""
+    ``id`` / ``operator.is_`` / ``is_not``; only the latter when ``ops`` is False."""
     insts = list(dis.get_instructions(code))
     for k, ins in enumerate(insts):
         const = k >= 1 and (insts[k - 1].opname in _CONST_OPERAND or (
             k >= 2 and insts[k - 1].opname in _PUSH_ONE and insts[k - 2].opname in _CONST_OPERAND))
-        if (ins.opname in ("IS_OP", "CONTAINS_OP") and not const) or (
+        if (ops and ins.opname in ("IS_OP", "CONTAINS_OP") and not const) or (
                 ins.opname in _NAME_LOADS and ins.argval in ("id", "is_", "is_not")):
             line = ins.positions.lineno if ins.positions is not None and ins.positions.lineno else code.co_firstlineno
             return f"{code.co_filename}:{line}"
     for c in code.co_consts:
-        if isinstance(c, types.CodeType) and (found := _identity_in(c)) is not None:
+        if isinstance(c, types.CodeType) and (found := _identity_in(c, ops)) is not None:
             return found
     return None
 
 
-def _identity_use(codes: tuple) -> Optional[str]:
-    return next((found for c in codes if (found := _identity_in(c)) is not None), None)
+def _identity_use(codes: tuple, ops: bool = True) -> Optional[str]:
+    return next((found for c in codes if (found := _identity_in(c, ops)) is not None), None)
+
+
+def _identity_found() -> Optional[str]:
+    """Where the graph being compiled may compare a select by identity: an ``is`` / ``in`` Dynamo
+    traced between two objects that are not Python constants (dynamo_hooks' Note [Identity
+    comparisons a select could change]), or a use of ``id`` / ``operator.is_`` in the traced code.
+    Without the traced record, every ``is`` / ``in`` in the traced code counts."""
+    codes = tuple(_torch_private.traced_code())
+    uses = dynamo_hooks.identity_uses()
+    if uses is None:
+        return _identity_use(codes)
+    return uses[0] if uses else _identity_use(codes, ops=False)
 
 
 def _requires_grad(n: torch.fx.Node) -> bool:

@@ -172,3 +172,79 @@ def test_unipc_singular_system_still_raises():
     assert len(done) == len(eager_done) > 0
     for a, b in zip(done, eager_done):
         assert_bitwise(a, b)
+
+
+def denoise_requests(step, scheduler, steps=8, requests=3):
+    """``requests`` requests of the pipeline's loop (TinyDenoiser; ``step`` compiled or not): the
+    final latents of each, and the syncs of each step of the last one (all of them, guards too)."""
+    unet = dp.TinyDenoiser().eval()
+    sched = dp.make_scheduler(scheduler)
+    outs, per_step = [], []
+    for r in range(requests):
+        latents, per_step = dp.denoise(unet, step, sched, steps, seed=r, count=True)
+        outs.append(latents)
+    return outs, per_step
+
+
+def test_ddim_step_reads_are_gathered_and_selected():
+    """DDIMScheduler.step reads ``alphas_cumprod[timestep]`` (the loop's timestep *tensor*) and
+    ``alphas_cumprod[prev_timestep] if prev_timestep >= 0 else final_alpha_cumprod``, in ``step`` and
+    again in ``_get_variance``: 6 host reads per step in eager (4 at the last); stock Dynamo specializes on each
+    timestep's value (a guard that reads it) and breaks at the computed index. nosync gathers the
+    reads on the device and selects the branch with torch.where: no sync in a steady step (the
+    third request: the first two speculate that the test is request-invariant, then demote it)."""
+    ref, eager_syncs = denoise_requests(dp.scheduler_step, "ddim")
+    assert eager_syncs == [6] * 7 + [4], eager_syncs  # the last step's prev_timestep < 0: no read at it
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    step = torch.compile(dp.scheduler_step, backend=torchsync_pass.NosyncBackend({"codegen": "eager"}))
+    outs, syncs = denoise_requests(step, "ddim")
+    for a, b in zip(outs, ref):
+        assert_bitwise(a, b)
+    assert syncs == [0] * len(syncs), syncs
+    done = {(d.site.line, d.reason) for d in torchsync_pass.decisions() if d.action is Action.REWRITTEN
+            and d.site.file.endswith("scheduling_ddim.py")}
+    assert {r for _, r in done} == {Reason.INDEX_TENSOR, Reason.BRANCH_WHERE}, done
+
+
+def ddim_device_side(s, model_output, timestep, sample, generator=None):
+    """DDIMScheduler.step (default config: epsilon, clip_sample, eta=0) written by hand the way
+    nosync traces it: each table read an aten.index at the timestep tensor, each
+    ``if prev_timestep >= 0`` a torch.where over both arms (the skipped arm's index masked to 0)."""
+    index = torch.ops.aten.index.Tensor
+
+    def alphas(t, prev):
+        ok = prev >= 0
+        return index(s.alphas_cumprod, [t]), torch.where(
+            ok, index(s.alphas_cumprod, [torch.where(ok, prev, 0)]), s.final_alpha_cumprod)
+
+    prev_timestep = timestep - s.config.num_train_timesteps // s.num_inference_steps
+    alpha_prod_t, alpha_prod_t_prev = alphas(timestep, prev_timestep)
+    beta_prod_t = 1 - alpha_prod_t
+    pred_original_sample = (sample - beta_prod_t ** (0.5) * model_output) / alpha_prod_t ** (0.5)
+    pred_epsilon = model_output
+    pred_original_sample = pred_original_sample.clamp(-s.config.clip_sample_range, s.config.clip_sample_range)
+    a_t, a_prev = alphas(timestep, prev_timestep)  # _get_variance reads both again
+    variance = ((1 - a_prev) / (1 - a_t)) * (1 - a_t / a_prev)
+    std_dev_t = 0.0 * variance ** (0.5)
+    pred_sample_direction = (1 - alpha_prod_t_prev - std_dev_t**2) ** (0.5) * pred_epsilon
+    return alpha_prod_t_prev ** (0.5) * pred_original_sample + pred_sample_direction
+
+
+@pytest.mark.inductor
+def test_ddim_inductor_is_bitwise_equal_to_stock_inductor_on_the_device_side_step():
+    """The steady request (the third) of nosync with Inductor against stock Inductor on the step
+    written the way nosync traces it: the same single graph, so the same bits. (The first two
+    requests run graphs specialized on the hoisted test; stock Inductor's fusions of those may
+    differ by an ULP, so they are not compared.)"""
+    ref, _ = denoise_requests(dp.scheduler_step, "ddim")
+    hand, _ = denoise_requests(ddim_device_side, "ddim")
+    for a, b in zip(hand, ref):
+        assert_bitwise(a, b)  # the reference is DDIM's step, bit for bit, in eager
+    want, _ = denoise_requests(torch.compile(ddim_device_side, backend="inductor"), "ddim")
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    outs, syncs = denoise_requests(torch.compile(dp.scheduler_step, backend="nosync"), "ddim")
+    assert syncs == [0] * len(syncs), syncs
+    assert_bitwise(outs[2], want[2])
+    assert any(d.reason is Reason.BRANCH_WHERE for d in torchsync_pass.decisions())
