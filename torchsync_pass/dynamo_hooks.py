@@ -1122,7 +1122,8 @@ def _identity_free(v: Any, depth: int = 0) -> bool:
     can neither be nor hold a tensor? Decided without realizing anything (no guard is added)."""
     if hasattr(v, "is_realized"):  # a LazyVariableTracker
         if not v.is_realized():
-            return type(v.peek_value()) in _PLAIN
+            value = v.peek_value()
+            return type(value) in _PLAIN or isinstance(value, type)
         v = v.realize()
     name = type(v).__name__
     if name in ("TupleVariable", "ListVariable") and depth == 0:
