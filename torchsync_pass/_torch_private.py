@@ -50,6 +50,11 @@ private name                                                     used by
 ``torch._C._dynamo.guards.TensorGuards``                         :func:`tensor_match`
 ``torch._C.TensorBase.__getitem__``; CPython's type layout       :func:`keep_tensors_non_sequences`
 (``PyTypeObject.tp_as_sequence->sq_item``, through ctypes)
+``torch._C._get_fp32_precision_getter`` (() where missing)       :func:`fp32_precisions`
+``torch._C._dynamo.guards.GlobalStateGuard`` (Python fallback)   :func:`global_state_now`
+``torch._dynamo.convert_frame.initial_global_state``, its JSON   :func:`frame_entry_state`
+``__getstate__``/``__setstate__``, ``torch._C.DisableTorchFunction``
+``torch._C._is_torch_function_all_disabled``                     :func:`snapshot_for_context`
 ===============================================================  ==============================
 
 NOTE: :func:`symint_hint` asks ``guarding_hint_or_throw`` only when ``node.hint`` is missing; it
@@ -61,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import sys
@@ -267,6 +273,133 @@ def _tensor_match_works() -> bool:
     except Exception:
         log.debug("nosync: TensorGuards unusable; leaf metadata is checked in Python", exc_info=True)
         return False
+
+
+# The per-backend fp32 precision settings (``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``
+# changes fp32 matmul bits on a CPU with AMX/avx512_bf16). Dynamo's global-state guard does not
+# cover them. Read: the generic setting and each (backend, op) pair of the backends this build has
+# (an op's getter answers the setting in effect: a backend's "all" setter writes its ops, and an op
+# set to "none" answers its parent's), found once; () where torch has no getter (before 2.13).
+_FP32_BACKENDS = {"cuda": lambda: torch.backends.cuda.is_built(), "cudnn": lambda: torch.backends.cuda.is_built(),
+                  "mkldnn": lambda: torch.backends.mkldnn.is_available()}
+
+
+def _fp32_precisions_fn() -> Callable[[], tuple]:
+    get = getattr(torch._C, "_get_fp32_precision_getter", None)
+    if get is None:
+        return tuple
+    candidates = [("generic", "all")]
+    for b, built in _FP32_BACKENDS.items():
+        try:
+            if built():
+                candidates += [(b, o) for o in ("matmul", "conv", "rnn")]
+        except Exception:
+            continue
+    pairs = []
+    for b, o in candidates:
+        try:
+            get(b, o)
+        except Exception:  # not a pair this torch knows ("Invalid (backend, op) pair", "Unknown backend")
+            continue
+        pairs.append((b, o))
+    if not pairs:
+        return tuple
+    # one straight-line tuple of C calls: this runs per call where a cone or cached tensor does a matmul
+    body = ", ".join(f"get({b!r}, {o!r})" for b, o in pairs)
+    return eval(f"lambda: ({body},)", {"get": get})  # noqa: S307 - generated from constant names
+
+
+fp32_precisions: Callable[[], tuple] = _fp32_precisions_fn()
+fp32_precisions.__doc__ = "The per-backend fp32 precision settings, one string per (backend, op) this torch has."
+
+# What :func:`float32_matmul_precision` answers when the legacy and per-backend APIs were mixed.
+MIXED_PRECISION = "mixed legacy and per-backend settings"
+
+
+def float32_matmul_precision() -> str:
+    """``torch.get_float32_matmul_precision()``, which never raises: after a per-backend setting
+    (``torch.backends.cuda.matmul.fp32_precision = "tf32"``) torch refuses to answer ("mix of the
+    legacy and new APIs"); that state answers :data:`MIXED_PRECISION` (the per-backend settings,
+    :func:`fp32_precisions`, then tell the states apart)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return MIXED_PRECISION
+
+
+class _PyGlobalState:
+    """:func:`global_state_now` where torch has no ``GlobalStateGuard``: the same state in Python."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state = self.read()
+
+    @staticmethod
+    def read() -> tuple:
+        autocast = []
+        for device_type in ("cpu", "cuda"):
+            try:
+                autocast.append((torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)))
+            except (RuntimeError, TypeError, ValueError):
+                continue
+        matmul = torch.backends.cuda.matmul
+        return (torch.is_grad_enabled(), tuple(autocast), torch.get_default_dtype(), torch.get_num_threads(),
+                torch.are_deterministic_algorithms_enabled(), float32_matmul_precision(),
+                torch.backends.cudnn.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
+                matmul.allow_bf16_reduced_precision_reduction)
+
+    def check(self) -> bool:
+        return self.read() == self.state
+
+    def reason(self) -> str:
+        return "global state"
+
+
+def global_state_now() -> Any:
+    """A snapshot of the global state Dynamo's global-state guard checks (grad mode, autocast,
+    default dtype, thread count, deterministic algorithms, legacy matmul precision and allow_tf32,
+    reduced-precision reductions; not :func:`fp32_precisions`): ``.check()`` is True while the
+    state is still the same (one C++ call), ``.reason()`` names what changed after a False."""
+    try:
+        from torch._C._dynamo.guards import GlobalStateGuard
+    except ImportError:
+        return _PyGlobalState()
+    return GlobalStateGuard()
+
+
+def frame_entry_state() -> Optional[tuple]:
+    """While Dynamo traces a frame: ``(as taken, as a guard sees it)``, the :func:`global_state_now`
+    snapshot Dynamo took when it entered the frame (what its own global-state guard compares a
+    call with; inside a traced ``with torch.no_grad():`` region the live state is that region's),
+    and the same with the torch-function state that a snapshot taken under
+    ``DisableTorchFunction`` records: Dynamo's guard manager runs a lambda guard with
+    ``__torch_function__`` disabled (:func:`snapshot_for_context` picks). None outside a trace, or
+    where this torch has no such snapshot or another format.
+    """
+    try:
+        from torch._dynamo import convert_frame
+
+        entry = convert_frame.initial_global_state
+        if entry is None:
+            return None
+        cls = type(entry)
+        with torch._C.DisableTorchFunction():
+            disabled = json.loads(cls().__getstate__())
+        state = json.loads(entry.__getstate__())
+        for key in ("torch_function", "torch_function_all_disabled"):
+            state[key] = disabled[key]
+        in_guard = cls.__new__(cls)
+        in_guard.__setstate__(json.dumps(state))
+        return (entry, in_guard)
+    except Exception:
+        log.debug("nosync: no frame entry state; guards check the thread count only", exc_info=True)
+        return None
+
+
+def snapshot_for_context(snapshots: tuple) -> Any:
+    """The one of :func:`frame_entry_state`'s snapshots for this context's torch-function state."""
+    return snapshots[1] if torch._C._is_torch_function_all_disabled() else snapshots[0]
 
 
 def inductor_mode_options(mode: str) -> dict[str, Any]:

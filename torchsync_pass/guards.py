@@ -25,6 +25,7 @@ in the section "Demotion: the rules" below.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -147,19 +148,72 @@ def bits_state() -> tuple:
     """The global state besides the inputs that changes the bits a cone computes.
 
     A reduction's bits depend on the thread count (a 2M-element float sum differs between 1 and
-    2 threads); matmul precision and reduced-precision reductions change matmuls. Each guard keeps
-    the memo of the state it was compiled under (Dynamo's global-state guard holds these equal for
-    a cache entry), and checks the thread count itself on every call.
+    2 threads); matmul precision (the legacy setting and the per-backend ``fp32_precision``
+    settings, the last item) and reduced-precision reductions change matmuls. Each guard keeps the
+    memo of the state it was compiled under, and checks on every call that the state is still that
+    of the frame it was compiled for (:meth:`SiteCheck.state_changed`). Never raises (a mix of the
+    legacy and per-backend precision APIs makes ``torch.get_float32_matmul_precision()`` raise).
     """
     matmul = torch.backends.cuda.matmul
     return (
         torch.get_num_threads(),
-        torch.get_float32_matmul_precision(),
+        _torch_private.float32_matmul_precision(),
         torch.are_deterministic_algorithms_enabled(),
         matmul.allow_fp16_reduced_precision_reduction,
         matmul.allow_bf16_reduced_precision_reduction,
         torch.backends.cudnn.allow_tf32,
+        _torch_private.fp32_precisions(),
     )
+
+
+# The ops whose bits no precision setting changes (elementwise ops and reductions as torch tags
+# them, and these by name: data movement, indexing, factories); any other op, a module call
+# included, counts as one that may (a matmul, a convolution, an RNN, linalg, attention, ...).
+_PRECISION_FREE = frozenset({
+    "getitem", "__getitem__", "view", "reshape", "permute", "transpose", "t", "contiguous", "expand",
+    "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "split", "chunk", "narrow", "select",
+    "index_select", "gather", "take", "cat", "stack", "roll", "flip", "repeat", "tile", "clone", "to",
+    "float", "double", "half", "bfloat16", "int", "long", "bool", "type", "type_as", "embedding",
+    "arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like",
+    "tensor", "size", "dim", "numel", "nonzero", "sort", "argsort", "topk", "cumsum", "cumprod",
+    "masked_select", "tril", "triu", "diagonal", "item", "tolist", "detach", "unbind", "movedim",
+    "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "scalar_tensor",
+})
+_PRECISION_TAGS = tuple(t for t in (getattr(torch.Tag, "pointwise", None), getattr(torch.Tag, "reduction", None))
+                        if t is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _precision_free_name(name: str) -> bool:
+    if name in _PRECISION_FREE:
+        return True
+    packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
+    if packet is None or not _PRECISION_TAGS:
+        return False
+    try:  # the default overload (others take Python scalars: ``aten.sum.int``), else any
+        names = packet.overloads()
+        overloads = [getattr(packet, o) for o in (["default"] if "default" in names else names)]
+    except Exception:
+        return False
+    return any(t in o.tags for o in overloads for t in _PRECISION_TAGS)
+
+
+def precision_sensitive(graph: Any) -> bool:
+    """May a precision setting (``torch.backends.*.fp32_precision``) change what ``graph`` computes?"""
+    for n in graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        t = n.target
+        if n.op == "call_function" and getattr(t, "__module__", None) in ("_operator", "operator"):
+            if t in (operator.matmul, operator.imatmul):
+                return True
+            continue
+        if n.op not in ("call_function", "call_method"):
+            return True
+        name = t if isinstance(t, str) else getattr(t, "__name__", None)
+        if not isinstance(name, str) or not _precision_free_name(name):
+            return True
+    return False
 
 
 @dataclass(eq=False)  # NOTE: never compare entries by value: weakref == compares the tensors
@@ -679,10 +733,25 @@ class SiteCheck:
         self.declared = self.memo.declared
         self.getter = dynamo_hooks.leaf_getter(sources)
         self.may_demote = not all(self.declared)
+        # The global state a call must still be in (the memo holds values computed under ``bits``):
+        # the frame's entry state (what Dynamo's own global-state guard compares, but a
+        # guard_filter_fn can drop that guard; not the state now: inside a traced ``no_grad``
+        # region it is that region's), and the per-backend precision settings, which that
+        # snapshot does not cover, where the cone has an op they can change.
+        self.entry = _torch_private.frame_entry_state()
+        module = cone.result.module
+        self.precisions = bits[-1] if module is None or precision_sensitive(module.graph) else None
+
+    def state_changed(self) -> bool:
+        """Is this call's global state not the one this entry was compiled under?"""
+        entry = self.entry
+        return ((entry is not None and not _torch_private.snapshot_for_context(entry).check())
+                or torch.get_num_threads() != self.bits[0]
+                or (self.precisions is not None and _torch_private.fp32_precisions() != self.precisions))
 
     def __call__(self, L: Any, G: Any) -> bool:
-        if torch.get_num_threads() != self.bits[0]:
-            return self._fail_threads()
+        if self.state_changed():
+            return self._fail_state()
         try:
             leaves = self.getter(L, G)
         except Exception:
@@ -750,9 +819,15 @@ class SiteCheck:
         self.failure = (next(_FAILURES), f"nosync: {why} at {self.state.site}: {self.state.source}")
         return False
 
-    def _fail_threads(self) -> bool:
-        # the memo of this entry holds values computed under another count
-        return self._fail(f"the thread count changed ({self.bits[0]} -> {torch.get_num_threads()})")
+    def _fail_state(self) -> bool:
+        # the memo of this entry holds values computed under another state
+        if torch.get_num_threads() != self.bits[0]:
+            return self._fail(f"the thread count changed ({self.bits[0]} -> {torch.get_num_threads()})")
+        entry = self.entry
+        if entry is not None and not _torch_private.snapshot_for_context(entry).check():
+            why = _torch_private.snapshot_for_context(entry).reason()
+            return self._fail(f"the global state changed ({why.strip() or 'grad mode, autocast, ...'})")
+        return self._fail(f"a per-backend fp32_precision setting changed (now {_torch_private.fp32_precisions()})")
 
     def _fail_aliased(self) -> bool:
         return self._fail("an argument the graph writes in place shares memory with a hoisted leaf")
@@ -790,14 +865,20 @@ class SiteCheck:
         states = [chk.state for chk in checks]
         n = len(checks)
         last: list = [None, None, False]  # weak refs, fast_key of the last passing call, booked
-        threads = checks[0].bits[0]  # one compile: every check has the same bits_state()
+        # one compile: every check has the same bits_state() and frame entry state
+        threads = checks[0].bits[0]
         get_num_threads = torch.get_num_threads
+        entry = checks[0].entry
+        entry_check = _torch_private.snapshot_for_context(entry).check if entry is not None else None
+        precisions = next((c.precisions for c in checks if c.precisions is not None), None)
+        get_precisions = _torch_private.fp32_precisions
         same_call = _same_call_fn(len(sources), tuple(declared))
         written = checks[0].written  # one compile: every check has the same
 
         def run(L: Any, G: Any) -> bool:
-            if get_num_threads() != threads:
-                return checks[0]._fail_threads()
+            if ((entry_check is not None and not entry_check()) or get_num_threads() != threads
+                    or (precisions is not None and get_precisions() != precisions)):
+                return checks[0]._fail_state()
             try:
                 leaves = getter(L, G)
             except Exception:

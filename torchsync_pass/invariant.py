@@ -13,8 +13,8 @@ step. :func:`cache_invariant` splits the graph nosync hands to codegen into
 :class:`InvariantRunner` runs the invariant part once per request and keeps its results in a small
 LRU memo keyed like a hoisted value (:class:`torchsync_pass.guards.ConeMemo`: weak identity,
 ``_version``, data pointer, shape, stride, dtype, device, requires_grad and conjugate/negative bits
-of every leaf), one memo per grad mode, :func:`torchsync_pass.guards.bits_state` (thread count, ...)
-and default dtype. A write to a leaf, a new leaf object or another global state misses and
+of every leaf), one memo per grad mode, :func:`torchsync_pass.guards.bits_state` (thread count, matmul
+precisions, ...), default dtype and autocast state, each checked on every call. A write to a leaf, a new leaf object or another global state misses and
 recomputes; under grad mode, a leaf that requires grad is recomputed on every call (never cached). The cached tensors are
 the same eager ops on the same inputs, so with ``codegen="eager"`` the outputs stay bitwise equal
 to eager.
@@ -80,7 +80,8 @@ import torch
 from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, rewrite, symbolic
-from .guards import MEMO_SIZE, ConeMemo, bits_state, counters, fast_key, record_decision, same_call_expr
+from .guards import (MEMO_SIZE, ConeMemo, bits_state, counters, fast_key, precision_sensitive, record_decision,
+                     same_call_expr)
 from .report import Action, Decision, Reason
 
 log = logging.getLogger(__name__)
@@ -346,14 +347,18 @@ class InvariantRunner:
         self._whole_fn = _torch_private.graph_forward(whole) if whole is not None and written else None
         self.declared = (False,) * len(leaf_index)  # inference leaves never reach the memo (see miss)
         # One memo per global state that changes the invariant part's bits: grad mode,
-        # guards.bits_state() (the thread count, ...) and the default dtype (a factory op without a
-        # dtype, ``torch.linspace``), checked here even when a guard_filter_fn drops Dynamo's
+        # guards.bits_state() (the thread count, matmul precisions, ...), the default dtype (a
+        # factory op without a dtype, ``torch.linspace``) and autocast (the invariant part runs
+        # under the caller's), checked here even when a guard_filter_fn drops Dynamo's
         # global-state guard.
         self.memos: dict[tuple, ConeMemo] = {}
         # The last call's answer: (grad mode, weak refs and guards.fast_key of its leaves, values,
-        # thread count, default dtype), what a memo lookup compares, checked by ``call`` without
-        # the memo.
+        # the check of a snapshot of the global state Dynamo guards (grad mode, autocast, thread
+        # count, default dtype, ...: _torch_private.global_state_now), the per-backend precisions),
+        # what a memo lookup compares, checked by ``call`` without the memo.
         self.last: Optional[tuple] = None
+        # Read the per-backend fp32 precisions on every call only where they can change the bits.
+        self.precision_sensitive = precision_sensitive(invariant.graph)
         # NOTE: a GraphModule's generated forward, not the module: nn.Module.__call__ costs
         # microseconds per call; same ops.
         self._invariant_fn = _torch_private.graph_forward(invariant)
@@ -406,7 +411,8 @@ class InvariantRunner:
             # backward frees, so they are never reused.
             counters()["invariant_computes"] += 1
             return self._compute(leaves)
-        state = (grad, bits_state(), torch.get_default_dtype())
+        snapshot = _torch_private.global_state_now()
+        state = (grad, bits_state(), torch.get_default_dtype(), _autocast_state())
         memo = self.memos.get(state)
         if memo is None:
             memo = self.memos[state] = ConeMemo(self.declared, self.size, self._leaf_died)
@@ -420,15 +426,21 @@ class InvariantRunner:
                 return None
             e = memo.store(leaves, None, values)
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
-        self.last = (grad, e.refs, fast_key(leaves, self.declared), e.value, state[1][0], state[2])
+        self.last = (grad, e.refs, fast_key(leaves, self.declared), e.value, snapshot.check, state[1][-1])
         return e.value
+
+
+def _autocast_state() -> tuple:
+    """The autocast dtype of each device type with autocast on (the invariant part's ops follow it)."""
+    return tuple([(d, torch.get_autocast_dtype(d)) for d in cone._autocast_devices()])
 
 
 def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable[..., Any]:
     """``call(*args)``: the step with the last call's values when this call's leaves are the very
     objects of the last call, unchanged (version, data pointer, and metadata:
-    :func:`torchsync_pass.guards.same_call_expr`) under the same grad mode, thread count and
-    default dtype; otherwise
+    :func:`torchsync_pass.guards.same_call_expr`) under the same global state (grad mode, autocast,
+    thread count, default dtype, ...: one C++ check, and the per-backend precisions where the
+    invariant part has an op they change); otherwise
     ``runner.miss``. What a memo lookup would answer, without the lookup.
 
     Generated straight-line code for the runner's leaf positions (this runs on every step): no
@@ -441,9 +453,9 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable
     if runner.written:  # only a graph that writes an input pays for this check
         lines.append("    if runner.aliased(args):")
         lines.append("        return runner.run_whole(args)")
+    precisions = " and last[5] == fp32_precisions()" if runner.precision_sensitive else ""
     lines += ["    last = runner.last",
-             "    if (last is not None and last[0] is is_grad_enabled() and last[4] == get_num_threads()",
-             "            and last[5] is get_default_dtype()):"]
+              f"    if last is not None and last[4](){precisions}:"]
     if index:
         names = [f"t{i}" for i in range(len(index))]
         lines.append(f"        {', '.join(names)} = " + ", ".join(f"args[{i}]" for i in index))
@@ -457,7 +469,7 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable
     lines.append("    if values is None:")
     lines.append("        return whole(*args)  # the invariant part raised: see InvariantRunner.miss")
     lines.append("    return step(*args, *values)")
-    env = {"runner": runner, "step": step, "whole": runner._whole_fn, "counters": counters, "is_grad_enabled": torch.is_grad_enabled,
-           "get_num_threads": torch.get_num_threads, "get_default_dtype": torch.get_default_dtype}
+    env = {"runner": runner, "step": step, "whole": runner._whole_fn, "counters": counters,
+           "fp32_precisions": _torch_private.fp32_precisions}
     exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
     return env["call"]
