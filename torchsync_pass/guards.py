@@ -876,7 +876,8 @@ class SiteCheck:
         written = checks[0].written  # one compile: every check has the same
 
         def run(L: Any, G: Any) -> bool:
-            if ((entry_check is not None and not entry_check()) or get_num_threads() != threads
+            # (the entry state's check covers the thread count)
+            if ((not entry_check() if entry_check is not None else get_num_threads() != threads)
                     or (precisions is not None and get_precisions() != precisions)):
                 return checks[0]._fail_state()
             try:
