@@ -179,3 +179,21 @@ def test_mixed_precision_apis_do_not_raise(precision):
         g = torch.compile(m, backend="nosync", options={"codegen": "eager", "strict": True})
         assert bitwise(g(x), m(x))  # hoisting does not fall back (strict: it would raise)
         assert any(d.action is torchsync_pass.Action.HOISTED for d in torchsync_pass.decisions())
+
+
+@pytest.mark.parametrize("fn, sensitive", [
+    (lambda a: ((a == 1).sum() + a.exp().cumsum(0)[0] * 2).any(), False),  # elementwise, reductions, indexing
+    (lambda a: torch.cat([a.sin(), a.cos()]).reshape(-1).amax(), False),
+    (lambda a: (a @ a).sum(), True),
+    (lambda a: torch.nn.functional.linear(a, a).sum(), True),
+    (lambda a: torch.linalg.inv(a), True),  # an op not on the list counts
+    (lambda a: torch.einsum("ij,jk->ik", a, a), True),
+])
+def test_which_graphs_a_precision_setting_can_change(fn, sensitive):
+    """The per-backend precisions are read per call only for a cone or invariant part that has an
+    op outside elementwise ops, reductions and data movement; an op nosync does not know counts."""
+    from torchsync_pass.guards import precision_sensitive
+
+    assert precision_sensitive(torch.fx.symbolic_trace(fn).graph) is sensitive
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.ReLU()))  # a module call: counted
+    assert precision_sensitive(gm.graph)
