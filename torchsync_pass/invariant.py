@@ -13,9 +13,9 @@ step. :func:`cache_invariant` splits the graph nosync hands to codegen into
 :class:`InvariantRunner` runs the invariant part once per request and keeps its results in a small
 LRU memo keyed like a hoisted value (:class:`torchsync_pass.guards.ConeMemo`: weak identity,
 ``_version``, data pointer, shape, stride, dtype, device, requires_grad and conjugate/negative bits
-of every leaf), one memo per grad mode, :func:`torchsync_pass.guards.bits_state` (thread count, matmul
-precisions, ...), default dtype and autocast state, each checked on every call. A write to a leaf, a new leaf object or another global state misses and
-recomputes; under grad mode, a leaf that requires grad is recomputed on every call (never cached). The cached tensors are
+of every leaf), one memo per grad mode, :func:`torchsync_pass.guards.bits_state` (thread count,
+matmul precisions, ...), default dtype and autocast state, each checked on every call. A write to
+a leaf, a new leaf object or another global state misses and recomputes; under grad mode, a leaf that requires grad is recomputed on every call (never cached). The cached tensors are
 the same eager ops on the same inputs, so with ``codegen="eager"`` the outputs stay bitwise equal
 to eager.
 
