@@ -708,3 +708,36 @@ def test_verify_loop_allows_one_level_of_references():
         verify_loop(lambda x: x, [], modes=chain)
     with pytest.raises(ValueError, match="mode 'a' must equal 'a', which itself must equal 'a'"):
         verify_loop(lambda x: x, [], modes=(LoopMode("a", "eager", must_equal="a"),))
+
+
+class _Accumulate(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(5))
+
+    def forward(self, x):
+        self.acc.add_(x)
+        return x * 2
+
+
+def _corrupts_written_inputs(gm, example_inputs):
+    """A backend whose outputs are right but whose in-place writes are not."""
+    def run(*args):
+        out = gm(*args)
+        with torch.no_grad():
+            for a in args:
+                if isinstance(a, torch.Tensor) and a._version > 0:  # the buffer the graph wrote
+                    a.add_(1000.0)
+        return out
+
+    return run
+
+
+def test_final_state_is_compared_for_a_mode_checked_against_another_mode():
+    # nosync-inductor is checked against inductor, not eager: its in-place writes must be checked too
+    calls = [((torch.full((5,), float(i)),), {}) for i in range(3)]
+    report = verify_loop(_Accumulate(), calls, modes=(
+        "dynamo-eager", LoopMode("corrupt", _corrupts_written_inputs, must_equal="dynamo-eager")))
+    (bad,) = [m for m in report.modes if m.name == "corrupt"]
+    assert not report.ok and not bad.ok
+    assert any(m.phase == "final" and m.reference == "dynamo-eager" for m in bad.mismatches)

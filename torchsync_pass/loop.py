@@ -335,12 +335,13 @@ def verify_loop(
         n = len(eager_outs)
 
         reference_outs: dict[str, list[Any]] = {}
+        reference_finals: dict[str, Any] = {}
         reports: dict[str, ModeReport] = {}
         # References first (resolve_modes allows one level of them), so their outputs are kept in
         # time for the modes that must equal them.
         for mode in sorted(resolved, key=lambda m: m.name not in needed):
             reports[mode.name] = _run_mode(
-                mode, originals, steps, n, eager_outs, eager_final, reference_outs,
+                mode, originals, steps, n, eager_outs, eager_final, reference_outs, reference_finals,
                 keep=mode.name in needed, isolate=isolate, compile_kwargs=compile_kwargs or {},
                 max_mismatches=max_mismatches, rng=rng,
             )
@@ -366,6 +367,7 @@ def _run_mode(
     eager_outs: list[Any],
     eager_final: Any,
     reference_outs: dict[str, list[Any]],
+    reference_finals: dict[str, Any],
     *,
     keep: bool,
     isolate: bool,
@@ -415,9 +417,15 @@ def _run_mode(
                     diverging += 1
                     if len(mismatches) < max_mismatches:
                         mismatches.extend(StepMismatch(i, ref_name, m) for m in found[:3])
-        if ref_name == "eager":
-            final = compare_outputs(eager_final, _final_state(step, calls, state), root="final")
-            mismatches.extend(StepMismatch(ran, "eager", m, phase="final") for m in final[:max_mismatches])
+        # NOTE: the module's buffers, the loop state and the arguments after the last step, against
+        # the reference's (the in-place writes a mode makes are checked whatever it must equal)
+        final_state = _final_state(step, calls, state)
+        if keep:
+            reference_finals[mode.name] = final_state
+        ref_final = eager_final if ref_name == "eager" else reference_finals.get(ref_name) if ref_name else None
+        if ref_final is not None:
+            final = compare_outputs(ref_final, final_state, root="final")
+            mismatches.extend(StepMismatch(ran, ref_name, m, phase="final") for m in final[:max_mismatches])
     except Exception as exc:
         log.warning("verify_loop: mode %s raised at step %d", mode.name, ran, exc_info=True)
         error = f"{type(exc).__name__} at step {ran}: {exc}"
