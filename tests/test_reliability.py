@@ -113,6 +113,36 @@ def test_bad_option_on_backend_object_raises_at_construction():
         NosyncBackend({"verify": "no"})
 
 
+def test_backend_object_options_merge_with_compile_options():
+    # NosyncBackend(options) and torch.compile(..., options=...) together: both apply (the object's
+    # max_specializations and codegen were silently dropped: Inductor, and no demotion)
+    def f(x, tt):
+        return x + 1 if (tt == 0).any() else x - 1
+
+    b = NosyncBackend({"codegen": "eager", "max_specializations": 1})
+    g = torch.compile(f, backend=b, options={"verify": True})
+    x = torch.arange(4.0)
+    for tt in (torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long)):
+        assert torch.equal(g(x, tt), f(x, tt))
+    assert [r["codegen"] for r in b.compiled][0] == "eager"
+    assert all(r["verified"] is not None for r in b.compiled if r["codegen"] == "eager")
+    assert counters["nosync"]["demoted"] == 1  # the second value exceeds max_specializations=1
+
+
+def test_backend_object_records_are_bounded_and_survive_a_reset(monkeypatch):
+    from torchsync_pass import backend
+
+    monkeypatch.setattr(backend, "MAX_COMPILED", 2)
+    b = NosyncBackend({"codegen": "eager"})
+    for i in range(5):
+        torch.compile(lambda x, i=i: x + i, backend=b)(torch.ones(2))
+    assert len(b.compiled) == 2  # was 5: every graph of a long-running server kept alive
+    torch._dynamo.reset()
+    # the records keep their metadata and drop their graphs (were emptied)
+    assert [r["codegen"] for r in b.compiled] == ["eager", "eager"]
+    assert all(r["graph"] is None for r in b.compiled)
+
+
 # --------------------------------------------------------------------------------------------
 # Missing or dead Dynamo hook, unsupported torch: one warning, then stock behaviour
 # --------------------------------------------------------------------------------------------

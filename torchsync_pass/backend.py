@@ -165,17 +165,24 @@ class NosyncBackend:
         self.compiled: list[dict] = []  # one record per graph: {"graph": gm, "codegen": ...}
         _ensure_hooks()
 
+    def merged_options(self, given: Optional[dict]) -> Any:
+        """This object's options, updated with those passed to ``torch.compile(options=...)`` too."""
+        if given is None:
+            return self.options
+        return {**{f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}, **given}
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
         try:
-            opts = _resolve(kwargs.pop("options") if "options" in kwargs else self.options)
+            opts = _resolve(self.merged_options(kwargs.pop("options", None)))
             mode = kwargs.pop("mode", self.mode)
             return _compile(gm, example_inputs, opts, mode, kwargs, self.compiled)
         except NosyncError as e:
             dynamo_hooks.raise_through_dynamo(e)
 
     def reset(self) -> None:
-        """Called by ``torch._dynamo.reset()``: its cache entries are gone, so are our sites."""
-        self.compiled.clear()
+        """Called by ``torch._dynamo.reset()``: its cache entries are gone, so are our sites; the
+        compile records keep their metadata and drop their graphs, as the module-level ones."""
+        _release_graphs(self.compiled)
         _on_dynamo_reset()
 
 
@@ -264,6 +271,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     del _COMPILED[: -MAX_COMPILED]
     if record is not None:
         record.append(entry)
+        del record[: -MAX_COMPILED]
     # NOTE: after verification, which runs the graph: see Note [A guard nobody can drop silently]
     return dynamo_hooks.require_guard(compiled)
 

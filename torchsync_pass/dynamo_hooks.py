@@ -162,8 +162,9 @@ def _nosync_options(tx: Any) -> Any:
     if backend is None:
         return None
     opts = kwargs.get("options")
-    if opts is None:
-        opts = getattr(backend, "options", None)
+    merged = getattr(backend, "merged_options", None)  # NosyncBackend(options) and options= both
+    if merged is not None:
+        opts = merged(opts)
     return {} if opts is None else opts
 
 
