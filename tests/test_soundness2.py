@@ -474,6 +474,24 @@ def test_invariant_typo_raises_with_strict(name, problem):
     assert problem in str(info.value)
 
 
+def test_invariant_typo_is_reported_in_a_graph_without_syncs():
+    # invariant caching alone (no sync site asks): the name is checked for each compiled graph
+    def step(x, weight):
+        return x + (weight * 2).sin()
+
+    x, w = torch.randn(4), torch.randn(4)
+    lenient = torch.compile(step, backend="nosync", options={**EAGER, "invariant": ["wieght"]})
+    with nosync_warnings() as records:
+        for _ in range(2):
+            assert torch.equal(lenient(x, w), step(x, w))
+    found = [m for m in messages(records) if "options['invariant']" in m]
+    assert len(found) == 1 and "names 'wieght', but there is no argument 'wieght'" in found[0]
+    torch._dynamo.reset()
+    strict = torch.compile(step, backend="nosync", options={**EAGER, "invariant": ["wieght"], "strict": True})
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match="names 'wieght'"):
+        strict(x, w)
+
+
 def test_invariant_names_that_resolve_do_not_warn():
     model = Tokens()
     args = (torch.ones(3), torch.tensor([1, 2]))

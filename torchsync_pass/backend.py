@@ -236,6 +236,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         log.warning("nosync: ignoring unknown backend keyword argument(s): %s", ", ".join(sorted(extra)))
     if mode is not None and mode not in MODES:
         raise NosyncOptionsError(f"nosync: unknown mode {mode!r}; valid modes are: {', '.join(MODES)}")
+    # NOTE: also here, not only at sync sites: invariant caching reads the declared names too
+    guards.check_declared_names(*dynamo_hooks.current_frame(), opts)
     compile_id = dynamo_hooks.current_compile_id()
     rewrite.check_graph(gm, compile_id)  # may retrace the frame (a rewritten row that aliases)
     if opts.cudagraphs:

@@ -656,6 +656,17 @@ def raise_through_dynamo(exc: BaseException) -> "NoReturn":
     raise new.with_traceback(exc.__traceback__) from exc.__cause__
 
 
+def current_frame() -> tuple[Any, Any]:
+    """``(code, real locals)`` of the frame Dynamo is compiling, or ``(None, None)`` outside a trace."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        root = InstructionTranslator.current_tx().output.root_tx
+    except Exception:  # not inside a trace (a backend called directly)
+        return None, None
+    return getattr(root, "f_code", None), getattr(root, "f_locals", None)
+
+
 def current_compile_id() -> Optional[str]:
     from torch._guards import CompileContext
 

@@ -572,10 +572,14 @@ _warned_names: set = set()
 
 
 def _check_declared_names(site: dynamo_hooks.SyncSite, opts: Any) -> None:
+    check_declared_names(site.frame_code, site.frame_locals, opts)
+
+
+def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
     """Warn once per name when ``options['invariant']`` names nothing the compiled function can
     reach: no such argument, or a dotted path whose attribute does not exist (a typo would
-    otherwise just leave the site speculated or rejected). With ``strict``, raise instead."""
-    code = site.frame_code
+    otherwise just leave the site speculated or rejected, or nothing cached). With ``strict``,
+    raise instead. Asked at each sync site and, for invariant caching, for each compiled graph."""
     if not opts.invariant or code is None or dynamo_hooks.RESUME_RE.match(code.co_name):
         return
     nargs = code.co_argcount + code.co_kwonlyargcount
@@ -585,7 +589,7 @@ def _check_declared_names(site: dynamo_hooks.SyncSite, opts: Any) -> None:
         if key in _warned_names:
             continue
         _warned_names.add(key)  # checked once per compiled function and name
-        problem = _declared_name_problem(name, args, site.frame_locals)
+        problem = _declared_name_problem(name, args, frame_locals)
         if problem is None:
             continue
         message = (f"nosync: options['invariant'] names {name!r}, but {problem} "
