@@ -2052,3 +2052,76 @@ if __name__ == "__main__":  # python -m torchsync_pass.dynamo_hooks
     for k in hook_points():
         print(f"  {'ok  ' if res.get(k) else 'DEAD'} {k}")
     sys.exit(0 if ok else 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Which compiled frames belong to a function (serving.check_request)
+# --------------------------------------------------------------------------------------------
+def wrap_inline_code() -> types.CodeType:
+    """The code of Dynamo's ``wrap_inline`` frame, ``inner(*args, **kwargs): return fn(*args,
+    **kwargs)``, which ``torch.compile`` puts around a callable it cannot start tracing in (a
+    ``torch.no_grad()``-decorated function, a ``functools.partial``, a module whose forward is in a
+    skipped file). One code object for every such callable: its closure ``fn`` tells them apart."""
+    from torch._dynamo import external_utils
+
+    return external_utils.wrap_inline(len).__code__
+
+
+def resume_codes(code: types.CodeType) -> list[types.CodeType]:
+    """The resume functions Dynamo generated from ``code`` after graph breaks, transitively (a
+    resume function's own graph breaks generate more; Dynamo caches them under the code they were
+    generated from, ``ContinueExecutionCache.cache[code][key]``)."""
+    from torch._dynamo.resume_execution import ContinueExecutionCache
+
+    out: list[types.CodeType] = []
+    todo, seen = [code], {id(code)}
+    while todo:
+        for resume in (ContinueExecutionCache.cache.get(todo.pop()) or {}).values():
+            if id(resume) not in seen:
+                seen.add(id(resume))
+                out.append(resume)
+                todo.append(resume)
+    return out
+
+
+def closure_identity(code: types.CodeType, frame_locals: Any) -> Optional[tuple]:
+    """Who a compiled frame belongs to among the functions sharing its code: the identity of its
+    closure variables (a ``functools.wraps`` wrapper's ``fn``, wrap_inline's ``fn``, a factory's
+    captured tensor), read from the frame's locals by name. A bound method counts as its function
+    and instance (each attribute access makes a new method object). None when the locals are
+    unknown (matches any frame)."""
+    if frame_locals is None:
+        return None
+    try:
+        return tuple(_identity(frame_locals[name]) for name in code.co_freevars)
+    except (KeyError, TypeError):
+        return None
+
+
+def _identity(value: Any) -> Any:
+    if isinstance(value, types.MethodType):
+        return ("method", id(value.__func__), id(value.__self__))
+    return id(value)
+
+
+def frame_owner(site: SyncSite) -> Optional[tuple]:
+    """:func:`closure_identity` of the frame ``site`` is being compiled in."""
+    return closure_identity(site.frame_code, site.frame_locals) if site.frame_code is not None else None
+
+
+def code_key(code: types.CodeType) -> tuple:
+    """A code object's place in the source (file, first line, name): the same for the code Dynamo
+    transforms it into, which is what runs in the caller's frame while a callee is compiled."""
+    return (code.co_filename, code.co_firstlineno, code.co_name)
+
+
+def calling_code_keys(limit: int = 256) -> frozenset:
+    """:func:`code_key` of every Python frame on the stack (the frames a compile happens inside):
+    a frame Dynamo compiles on its own after a graph break at a call is compiled while its
+    caller's compiled code runs."""
+    keys = set()
+    f = sys._getframe(1)
+    while f is not None and len(keys) < limit:
+        keys.add(code_key(f.f_code))
+        f = f.f_back
+    return frozenset(keys)

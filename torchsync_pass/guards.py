@@ -420,6 +420,8 @@ def reset(keep_decisions: bool = False) -> None:
     with _lock:
         _sites.clear()
         _checks_by_code.clear()
+        _owner_of.clear()
+        _callers_of.clear()
         _written_by_compile.clear()  # compile ids start again after torch._dynamo.reset()
         _recorded.clear()
         _budget_frames.clear()
@@ -560,7 +562,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     srcs = [l.source for l in result.leaves]
     mark_hoisted(dataclasses.replace(result, nodes=traced_nodes), owner=(key, fp))
     check = SiteCheck(state, cone, spec, srcs, bits, _written_inputs_of(compile_id))
-    _register_check(site.frame_code, check)
+    _register_check(site.frame_code, check, dynamo_hooks.frame_owner(site), dynamo_hooks.calling_code_keys())
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r}")
     _record(state, Action.HOISTED, Reason.INVARIANT_CONE,
             "speculated invariant" if result.speculative else "", value,
@@ -1066,19 +1068,39 @@ def demote_hidden_writes(graph: Any, compile_id: Optional[str]) -> None:
 # The checks of a compiled frame, for callers that run them themselves (serving.check_request)
 # ----------------------------------------------------------------------------------------------
 _checks_by_code: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+_owner_of: "weakref.WeakKeyDictionary[SiteCheck, Optional[tuple]]" = weakref.WeakKeyDictionary()
+_callers_of: "weakref.WeakKeyDictionary[SiteCheck, frozenset]" = weakref.WeakKeyDictionary()
 
 
-def _register_check(frame_code: Any, check: SiteCheck) -> None:
+def _register_check(frame_code: Any, check: SiteCheck, owner: Optional[tuple] = None,
+                    callers: frozenset = frozenset()) -> None:
     """Remember ``check`` under the code object of the frame it guards (weakly: a cache entry that
-    Dynamo frees takes its checks with it)."""
+    Dynamo frees takes its checks with it), with ``owner``, the identity of that frame's closure
+    (:func:`dynamo_hooks.closure_identity`): functions sharing one code object are told apart; and
+    ``callers``, the :func:`dynamo_hooks.code_key` of the frames it was compiled inside."""
     if frame_code is None:
         return
     with _lock:
         _checks_by_code.setdefault(frame_code, weakref.WeakSet()).add(check)
+        _owner_of[check] = owner
+        _callers_of[check] = callers
 
 
-def checks_for(frame_code: Any) -> list[SiteCheck]:
-    """The live checks of the cache entries compiled for ``frame_code``, demoted sites excluded."""
+def checks_for(frame_code: Any, owner: Optional[tuple] = None) -> list[SiteCheck]:
+    """The live checks of the cache entries compiled for ``frame_code``, demoted sites excluded;
+    with ``owner``, only those of frames with that closure identity (or an unknown one)."""
     with _lock:
         checks = list(_checks_by_code.get(frame_code, ()))
-    return [c for c in checks if c.state.demoted is None]
+        owners = [_owner_of.get(c) for c in checks]
+    return [c for c, o in zip(checks, owners)
+            if c.state.demoted is None and (owner is None or o is None or o == owner)]
+
+
+def checks_compiled_inside(key: tuple) -> list[tuple[Any, SiteCheck]]:
+    """``(frame code, check)`` of the live checks compiled while a frame of ``key``
+    (:func:`dynamo_hooks.code_key`) was running: the frames a function's call compiled on their
+    own (a callee after a graph break at its call, a resume function)."""
+    with _lock:
+        found = [(code, c) for code, checks in _checks_by_code.items() for c in checks
+                 if key in _callers_of.get(c, ())]
+    return [(code, c) for code, c in found if c.state.demoted is None]
