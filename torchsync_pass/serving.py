@@ -22,28 +22,36 @@ checks, memo and specialised values stay in :mod:`torchsync_pass.guards`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import logging
+import re
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from . import guards
+from . import dynamo_hooks, guards
 from .errors import NosyncError
 from .report import SiteKey
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_request", "RequestCheck", "HoistedValueChanged"]
+__all__ = ["check_request", "RequestCheck", "HoistedValueChanged", "HoistedValueUnchecked"]
 
 
-class HoistedValueChanged(NosyncError):
-    """A value nosync hoisted in a compiled function differs for this request's inputs."""
+class _RequestError(NosyncError):
+    """A request :func:`check_request` cannot let through; ``report`` says why."""
 
     def __init__(self, message: str, report: "RequestCheck") -> None:
         super().__init__(message)
         self.report = report
+
+
+class HoistedValueChanged(_RequestError):
+    """A value nosync hoisted in a compiled function differs for this request's inputs."""
 
 
 @dataclass(frozen=True)
@@ -61,17 +69,20 @@ class RequestCheck:
     """What :func:`check_request` found.
 
     ``sites``: hoisted cones checked; ``syncs``: cones re-run because their leaves were new (one
-    real sync each); ``changed``: the sites whose value differs from every compiled value.
+    real sync each); ``changed``: the sites whose value differs from every compiled value;
+    ``unchecked``: hoisted sites of the function that cannot be checked from the arguments (``ok``
+    is False while there are any).
     """
 
     function: str
     sites: int = 0
     syncs: int = 0
     changed: list[Change] = field(default_factory=list)
+    unchecked: list[Unchecked] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.changed
+        return not self.changed and not self.unchecked
 
     def describe(self) -> str:
         lines = [f"check_request({self.function}): {self.sites} hoisted value(s) checked, "
@@ -79,42 +90,149 @@ class RequestCheck:
         for ch in self.changed:
             lines.append(f"  {ch.site}: {ch.source}: {ch.value!r} for this request, compiled for "
                          + ", ".join(repr(v) for v in ch.compiled_for))
+        if self.unchecked:
+            lines.append(f"  {len(self.unchecked)} hoisted value(s) NOT checked:")
+        for u in self.unchecked:
+            lines.append(f"  {u.site}: {u.source}: {u.why}")
         return "\n".join(lines)
 
 
-def _frames(fn: Any, args: tuple, kwargs: dict) -> list[tuple[Any, dict, dict]]:
-    """Candidate (code object, L, G) of the frame Dynamo compiled for ``fn(*args, **kwargs)``.
+@dataclass(frozen=True)
+class Unchecked:
+    """One hoisted site of a frame that belongs to the function but that :func:`check_request`
+    cannot evaluate from the request's arguments (see :func:`check_request` for the rule)."""
+
+    site: SiteKey
+    source: str
+    frame: str  # the compiled frame's code name (``torch_dynamo_resume_in_step_at_12``)
+    why: str
+
+
+class HoistedValueUnchecked(_RequestError):
+    """The compiled function has hoisted values :func:`check_request` cannot check for a request."""
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """A frame Dynamo may have compiled for the call: its code, locals and globals as the guards
+    read them, and the user's callable it stands for (for messages)."""
+
+    code: types.CodeType
+    L: dict
+    G: dict
+    name: str
+    innermost: bool = False  # the user's own function (under its wrappers): on the stack of a call
+
+
+def _name(obj: Any) -> str:
+    if isinstance(obj, functools.partial):
+        return f"functools.partial({_name(obj.func)})"
+    if inspect.ismethod(obj):
+        return _name(obj.__func__)
+    if isinstance(obj, torch.nn.Module):
+        return type(obj).__qualname__
+    return getattr(obj, "__qualname__", None) or repr(obj)
+
+
+def _closure(func: Any) -> dict:
+    """The contents of ``func``'s closure cells by name (Dynamo's frame locals include them)."""
+    out = {}
+    for name, cell in zip(func.__code__.co_freevars, func.__closure__ or ()):
+        try:
+            out[name] = cell.cell_contents
+        except ValueError:  # an empty cell: left out, reported by name if a leaf reads it
+            pass
+    return out
+
+
+def _function_frames(f: Any, args: tuple, kwargs: dict, name: str) -> list[_Frame]:
+    """A frame per level of ``f``'s wrapper chain (``functools.wraps``' ``__wrapped__``, a
+    ``functools.partial``'s function, a callable object's ``__call__``), each with the request's
+    arguments bound to that level's own signature: Dynamo compiles the outermost level it does
+    not skip, and a skipped wrapper (torch's own decorators) passes its arguments through."""
+    out: list[_Frame] = []
+    self_: Any = None
+    seen: set[int] = set()
+    inline = dynamo_hooks.wrap_inline_code()
+    while f is not None and id(f) not in seen:
+        seen.add(id(f))
+        if isinstance(f, functools.partial):
+            args, kwargs = (*f.args, *args), {**f.keywords, **kwargs}
+            f = f.func
+            continue
+        if inspect.ismethod(f):
+            self_, f = f.__self__, f.__func__
+            continue
+        code = getattr(f, "__code__", None)
+        if code is None:
+            call = getattr(type(f), "__call__", None)
+            f = call.__get__(f) if inspect.isfunction(call) and self_ is None else None
+            continue
+        if code is not inline:
+            call_args = (self_, *args) if self_ is not None else args
+            try:
+                bound = inspect.signature(f, follow_wrapped=False).bind(*call_args, **kwargs)
+            except (TypeError, ValueError):
+                pass
+            else:
+                bound.apply_defaults()
+                out.append(_Frame(code, {**_closure(f), **bound.arguments}, f.__globals__, name))
+        f = getattr(f, "__wrapped__", None)
+    if out:
+        out[-1] = dataclasses.replace(out[-1], innermost=True)
+    return out
+
+
+def _inline_frame(wrapped: Any, args: tuple, kwargs: dict, name: str) -> _Frame:
+    """Dynamo's ``wrap_inline`` frame around ``wrapped`` (see :func:`dynamo_hooks.wrap_inline_code`)."""
+    return _Frame(dynamo_hooks.wrap_inline_code(), {"args": args, "kwargs": kwargs, "fn": wrapped},
+                  {}, name)
+
+
+def _bind_or_raise(target: Any, args: tuple, kwargs: dict) -> None:
+    """A call ``target`` would refuse is an error, not a request with nothing to check."""
+    if getattr(target, "__code__", None) is dynamo_hooks.wrap_inline_code():
+        target = _closure(target).get("fn", target)
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):  # no signature to check the call against (a builtin)
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"check_request({_name(target)}): the arguments given do not fit its "
+                        f"signature {sig}: {e}") from e
+
+
+def _frames(fn: Any, args: tuple, kwargs: dict) -> list[_Frame]:
+    """The frames Dynamo may have compiled for ``fn(*args, **kwargs)``, with their locals.
 
     ``fn`` is what the engine calls: a ``torch.compile`` result (function, bound method or
-    ``OptimizedModule``), or the original function/method/module. A module compiled with
-    ``torch.compile(module)`` or ``module.compile()`` may be traced from its ``forward`` or from
-    ``nn.Module.__call__``'s implementation; all are tried.
+    ``OptimizedModule``), or the original function/method/module. ``torch.compile`` calls the
+    callable it was given, and Dynamo compiles the first frame it does not skip: the callable's own
+    frame (a ``functools.wraps`` wrapper's ``*args, **kwargs`` frame when decorated), or Dynamo's
+    ``wrap_inline`` frame around it (``torch.no_grad()``-decorated functions, partials, modules
+    whose forward is in a skipped file), or, for a module, its ``forward`` or
+    ``nn.Module.__call__``'s implementation. All are tried; a check is run only in the frame
+    whose closure it was compiled with.
     """
-    fn = getattr(fn, "_torchdynamo_orig_callable", fn)
+    user = getattr(fn, "_torchdynamo_orig_callable", fn)
     mod = getattr(fn, "_orig_mod", None)
     if mod is None and isinstance(fn, torch.nn.Module):
         mod = fn
+    _bind_or_raise(mod.forward if mod is not None else user, args, kwargs)
     if mod is not None:
-        out = []
-        fwd = type(mod).forward
-        try:
-            bound = inspect.signature(fwd).bind(mod, *args, **kwargs)
-            bound.apply_defaults()
-            out.append((fwd.__code__, dict(bound.arguments), fwd.__globals__))
-        except TypeError:
-            pass
+        name = _name(mod)
+        out = [_inline_frame(mod, args, kwargs, name), _inline_frame(mod.forward, args, kwargs, name)]
+        out += _function_frames(type(mod).forward, (mod, *args), kwargs, name)
         for impl in ("_call_impl", "_wrapped_call_impl"):  # both on every supported torch
             f = getattr(torch.nn.Module, impl)
-            out.append((f.__code__, {"self": mod, "args": args, "kwargs": kwargs}, f.__globals__))
+            out.append(_Frame(f.__code__, {"self": mod, "args": args, "kwargs": kwargs}, f.__globals__, name))
         return out
-    func, self_ = (fn.__func__, fn.__self__) if inspect.ismethod(fn) else (fn, None)
-    func = inspect.unwrap(func)
-    if not hasattr(func, "__code__"):
-        raise TypeError(f"check_request: cannot find the Python function behind {fn!r}")
-    call_args = (self_, *args) if self_ is not None else args
-    bound = inspect.signature(func).bind(*call_args, **kwargs)
-    bound.apply_defaults()
-    return [(func.__code__, dict(bound.arguments), func.__globals__)]
+    if getattr(user, "__code__", None) is dynamo_hooks.wrap_inline_code():
+        user = _closure(user).get("fn", user)  # torch.compile wrapped it already: a partial, ...
+    name = _name(user)
+    return [_inline_frame(user, args, kwargs, name), *_function_frames(user, args, kwargs, name)]
 
 
 def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwargs: Any) -> RequestCheck:
@@ -122,26 +240,55 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
 
     Call it with the arguments of the request's first call of ``fn`` (what the engine is about to
     pass). For every hoisted cone of every cache entry nosync compiled for ``fn`` it reads the
-    leaf tensors from those arguments, recomputes the value when they are new (one sync) and
-    compares it, bitwise, with the values the compiled code was specialised on.
+    leaf tensors from those arguments (and from the compiled function's closure variables and
+    globals), recomputes the value when they are new (one sync) and compares it, bitwise, with the
+    values the compiled code was specialised on.
 
-    ``on_change``: ``"raise"`` (default) raises :class:`HoistedValueChanged` when a value changed;
-    ``"reset"`` forgets the compiled code instead (``torch.compiler.reset()`` and
-    ``torchsync_pass.reset()``), so the next call compiles for the new value; ``"report"`` only
-    returns the :class:`RequestCheck`. A function nosync hoisted nothing in gives ``sites == 0``.
+    The frames that belong to ``fn``: the frame Dynamo compiles for the call (see :func:`_frames`:
+    decorated functions and forwards, partials and ``torch.no_grad()`` included), and every resume
+    function Dynamo generated from that frame's code after a graph break (Dynamo's
+    ``torch_dynamo_resume_in_<name>_at_<line>``, found through the cache it generates them in).
+    A resume function's locals exist only in the middle of a call, so its hoisted sites cannot be
+    checked from the request's arguments: they are listed in ``unchecked`` and make ``ok`` False.
+    Not covered: a function ``fn`` calls that Dynamo compiles as a frame of its own (after a graph
+    break at that call); check it with its own ``check_request`` where its arguments are known.
+
+    ``on_change``: ``"raise"`` (default) raises :class:`HoistedValueChanged` when a value changed,
+    and :class:`HoistedValueUnchecked` when a hoisted value cannot be checked; ``"reset"`` forgets
+    the compiled code instead when a value changed (``torch.compiler.reset()`` and
+    ``torchsync_pass.reset()``), so the next call compiles for the new value, and also raises
+    :class:`HoistedValueUnchecked` for values it cannot check; ``"report"`` only returns the
+    :class:`RequestCheck`. A function nosync hoisted nothing in gives ``sites == 0``.
     """
     if on_change not in ("raise", "reset", "report"):
         raise ValueError(f"on_change must be 'raise', 'reset' or 'report', got {on_change!r}")
-    report: RequestCheck | None = None
-    for code, L, G in _frames(fn, args, kwargs):
-        checks = guards.checks_for(code)
-        if not checks:
+    frames = _frames(fn, args, kwargs)
+    report = RequestCheck(frames[0].name)
+    seen: set[int] = set()
+    for fr in frames:
+        checks = guards.checks_for(fr.code, dynamo_hooks.closure_identity(fr.code, fr.L))
+        _run_checks([c for c in checks if id(c) not in seen], fr, report)
+        seen.update(id(c) for c in checks)
+        for code in dynamo_hooks.resume_codes(fr.code):
+            for chk in guards.checks_for(code, dynamo_hooks.closure_identity(code, fr.L)):
+                if id(chk) not in seen:
+                    seen.add(id(chk))
+                    report.unchecked.append(Unchecked(
+                        chk.state.site, chk.state.source, code.co_name,
+                        f"hoisted in {code.co_name}, the code Dynamo resumes {fr.name} in after a "
+                        "graph break: its locals exist only in the middle of a call, not in the "
+                        "request's arguments"))
+    for fr in frames:
+        if not fr.innermost:
             continue
-        report = RequestCheck(code.co_qualname)
-        _run_checks(checks, L, G, report)
-        break
-    if report is None:
-        report = RequestCheck(getattr(fn, "__qualname__", type(fn).__name__))
+        for code, chk in guards.checks_compiled_inside(dynamo_hooks.code_key(fr.code)):
+            if id(chk) not in seen:
+                seen.add(id(chk))
+                report.unchecked.append(Unchecked(
+                    chk.state.site, chk.state.source, code.co_name,
+                    f"hoisted in {code.co_qualname}, a frame Dynamo compiled on its own during a "
+                    f"call of {fr.name} (after a graph break at a call): its locals are not the "
+                    "request's arguments"))
     if report.changed:
         log.info("%s", report.describe())
         if on_change == "raise":
@@ -155,27 +302,53 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
 
             torch.compiler.reset()
             reset()
+            return report
+    if report.unchecked and on_change != "report":
+        raise HoistedValueUnchecked(
+            report.describe() + "\nThese values cannot be checked before the call; with Dynamo's "
+            "guards skipped a changed one would be served silently. Keep Dynamo's guards on for "
+            "this function, or remove the graph break before the hoisted sync (see "
+            "torchsync_pass.explain).", report)
     return report
 
 
-def _run_checks(checks: list, L: dict, G: dict, report: RequestCheck) -> None:
+def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
     bits = guards.bits_state()  # the value under today's global state (thread count, ...)
-    seen: set[int] = set()
-    for chk in checks:
-        cone = chk.cone
-        if id(cone) in seen:  # several cache entries (specs) share one cone and its memo
-            continue
-        seen.add(id(cone))
+    by_cone: dict[int, list] = {}
+    for chk in checks:  # several cache entries (specs) share one cone and its memo
+        by_cone.setdefault(id(chk.cone), []).append(chk)
+    for group in by_cone.values():
+        chk, cone = group[0], group[0].cone
+        # NOTE: the specs of these checks, not all of the cone's: functions sharing one code
+        # (closures of one factory, one decorator's wrapper) share its sites and cones.
+        specs = {c.spec.key: c.spec for c in group}
         report.sites += 1
         try:
-            leaves = chk.getter(L, G)
+            leaves = chk.getter(fr.L, fr.G)
         except Exception as e:
             raise NosyncError(
-                f"check_request: {chk.state.site}: cannot read {', '.join(chk.sources)} from the "
-                f"arguments given ({type(e).__name__}: {e}); pass the arguments of the compiled call"
-            ) from e
+                f"check_request({fr.name}): {chk.state.site}: cannot read {', '.join(chk.sources)}: "
+                f"{_unreadable(chk.sources, fr)} ({type(e).__name__}: {e})") from e
         entry, synced = cone.current(tuple(leaves), cone.memo_for(bits))
         report.syncs += int(synced)
-        if entry.key not in cone.specs:
+        if entry.key not in specs:
             report.changed.append(Change(chk.state.site, chk.state.source, entry.value,
-                                         tuple(s.value for s in cone.specs.values())))
+                                         tuple(s.value for s in specs.values())))
+
+
+def _unreadable(sources: list[str], fr: _Frame) -> str:
+    """Why a leaf source cannot be read from ``fr``: the first name it misses, said plainly."""
+    for src in sources:
+        m = re.match(r"([LG])\[(['\"])(.+?)\2\]", src)
+        if m is None:
+            continue
+        scope, name = m.group(1), m.group(3)
+        if scope == "G" and name not in fr.G:
+            return f"{name!r} is a global of {fr.name} that is not defined in its module"
+        if scope == "L" and name not in fr.L:
+            if name in fr.code.co_freevars:
+                return (f"{name!r} is a closure variable of {fr.name} whose cell is empty "
+                        "(assigned after the function was created, or deleted)")
+            return (f"{name!r} is a local variable of {fr.name}'s compiled frame that is not among "
+                    "the arguments given; pass the arguments of the compiled call")
+    return "the value it names is not in the arguments given; pass the arguments of the compiled call"
