@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import functools
 import inspect
 import os
 
@@ -259,6 +260,208 @@ def test_check_request_sees_what_a_guard_dropping_engine_would_miss():
     assert check_request(step, x, torch.tensor([1, 0])).ok
     with pytest.raises(TypeError):
         check_request(step, x)  # a call the function would refuse
+
+
+# check_request finds the frame Dynamo compiled: decorated functions and forwards, partials,
+# closures; sites it cannot check (after a graph break) are reported, never taken for absent.
+E = {"codegen": "eager"}
+ZEROS, ONES = torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long)
+
+
+def logged(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _branch(x, tt):
+    if (tt == 0).any():  # request-invariant: hoisted
+        return x + 1
+    return x - 1
+
+
+@logged
+def logged_step(x, tt):
+    return _branch(x, tt)
+
+
+@torch.no_grad()
+def no_grad_step(x, tt):
+    return _branch(x, tt)
+
+
+@torch.inference_mode()
+def inference_step(x, tt):
+    return _branch(x, tt)
+
+
+def _assert_checked(g, *args):
+    """Hoist on ZEROS, then: the same request is ok, ONES is a change (raise and report)."""
+    from torchsync_pass import HoistedValueChanged, check_request
+
+    g(*args, ZEROS)
+    g(*args, ZEROS)
+    assert [d.action.value for d in torchsync_pass.decisions()] == ["hoisted"]
+    r = check_request(g, *args, ONES, on_change="report")
+    assert (r.ok, r.sites, [c.value for c in r.changed]) == (False, 1, [False])
+    r = check_request(g, *args, ZEROS)
+    assert (r.ok, r.sites, r.unchecked) == (True, 1, [])
+    with pytest.raises(HoistedValueChanged, match=r"\(tt == 0\)\.any\(\).*False for this request"):
+        check_request(g, *args, ONES)
+
+
+@pytest.mark.parametrize("step", [logged_step, no_grad_step, inference_step], ids=lambda f: f.__name__)
+def test_check_request_on_a_decorated_function(step):
+    _assert_checked(torch.compile(step, backend="nosync", options=E), torch.ones(3))
+
+
+class DecoratedForward(torch.nn.Module):
+    @logged
+    def forward(self, x, tt):
+        return _branch(x, tt)
+
+
+class NoGradForward(torch.nn.Module):
+    @torch.no_grad()
+    def forward(self, x, tt):
+        return _branch(x, tt)
+
+
+@pytest.mark.parametrize("cls", [DecoratedForward, NoGradForward], ids=lambda c: c.__name__)
+def test_check_request_on_a_module_whose_forward_is_decorated(cls):
+    _assert_checked(torch.compile(cls(), backend="nosync", options=E), torch.ones(3))
+
+
+def test_check_request_on_a_partial():
+    _assert_checked(torch.compile(functools.partial(_branch, torch.ones(3)), backend="nosync", options=E))
+
+
+class Server:
+    @torch.no_grad()
+    def step(self, x, tt):
+        return _branch(x, tt)
+
+
+def test_check_request_on_a_decorated_method_given_again():
+    """``server.step`` is a new bound method at each access: the check still finds its frame."""
+    from torchsync_pass import check_request
+
+    server = Server()
+    g = torch.compile(server.step, backend="nosync", options=E)
+    g(torch.ones(3), ZEROS)
+    assert check_request(server.step, torch.ones(3), ZEROS).ok
+    r = check_request(server.step, torch.ones(3), ONES, on_change="report")
+    assert (r.sites, [c.value for c in r.changed]) == (1, [False])
+
+
+def test_check_request_keeps_functions_sharing_a_wrapper_apart():
+    """Every @logged function is compiled in the one ``wrapper`` code: each gets only its checks."""
+    from torchsync_pass import check_request
+
+    @logged
+    def other(x, tt):
+        return _branch(x, tt + 1)  # hoists False for ZEROS
+
+    g, h = (torch.compile(f, backend="nosync", options=E) for f in (logged_step, other))
+    x = torch.ones(3)
+    g(x, ZEROS)
+    h(x, ZEROS)
+    assert len(torchsync_pass.decisions()) == 2
+    for f in (g, h):
+        r = check_request(f, x, ZEROS)
+        assert (r.ok, r.sites) == (True, 1)
+    assert check_request(h, x, -ONES, on_change="report").changed[0].value is True
+
+
+def _closure_step(mask):
+    def step(x):
+        if (mask == 0).any():  # mask: a closure variable
+            return x + 1
+        return x - 1
+
+    def drop():
+        nonlocal mask
+        del mask
+
+    return step, drop
+
+
+def test_check_request_reads_closure_variables():
+    from torchsync_pass import NosyncError, check_request
+
+    mask = torch.zeros(3, dtype=torch.long)
+    step, drop = _closure_step(mask)
+    g = torch.compile(step, backend="nosync", options=E)
+    x = torch.ones(3)
+    g(x)
+    g(x)
+    r = check_request(g, x)
+    assert (r.ok, r.sites) == (True, 1)
+    mask.fill_(1)  # the closure's tensor changed in place
+    assert [c.value for c in check_request(g, x, on_change="report").changed] == [False]
+    other, _ = _closure_step(torch.ones(3, dtype=torch.long))  # same code, its own closure
+    g2 = torch.compile(other, backend="nosync", options=E)
+    g2(x)
+    assert [(r.sites, [c.value for c in r.changed]) for r in
+            (check_request(f, x, on_change="report") for f in (g, g2))] == [(1, [False]), (1, [])]
+    drop()
+    with pytest.raises(NosyncError, match=r"'mask' is a closure variable of _closure_step.<locals>.step"):
+        check_request(g, x)
+
+
+def _break_then_hoist(x, tt):
+    x = x * 2
+    torch._dynamo.graph_break()
+    if (tt == 0).any():  # hoisted in Dynamo's resume function
+        return x + 1
+    return x - 1
+
+
+def _hoist_then_check_ones(fn):
+    """Compile ``fn``, hoist on ZEROS, and check_request a request with ONES (report only)."""
+    from torchsync_pass import check_request
+
+    g = torch.compile(fn, backend="nosync", options=E)
+    x = torch.ones(3)
+    for _ in range(2):
+        g(x, ZEROS)
+    assert [d.action.value for d in torchsync_pass.decisions()] == ["hoisted"]
+    return g, check_request(g, x, ONES, on_change="report")
+
+
+def test_check_request_reports_sites_after_a_graph_break_as_unchecked():
+    from torchsync_pass import NosyncError, check_request
+
+    g, r = _hoist_then_check_ones(_break_then_hoist)
+    x = torch.ones(3)
+    assert not r.ok and r.sites == 0 and r.changed == []
+    from torchsync_pass.serving import HoistedValueUnchecked
+    (u,) = r.unchecked
+    assert u.frame.startswith("torch_dynamo_resume_in__break_then_hoist_at_") and "graph break" in u.why
+    assert u.site.line == _break_then_hoist.__code__.co_firstlineno + 3
+    for mode in ("raise", "reset"):
+        with pytest.raises(HoistedValueUnchecked, match=r"(?s)NOT checked.*\(tt == 0\)\.any\(\).*graph break"):
+            check_request(g, x, ZEROS, on_change=mode)
+    assert issubclass(HoistedValueUnchecked, NosyncError)
+
+
+def _helper_that_breaks(x, tt):
+    torch._dynamo.graph_break()
+    return _branch(x, tt)  # hoisted in the helper's resume function, compiled on its own
+
+
+def _calls_a_breaking_helper(x, tt):
+    return _helper_that_breaks(x * 2, tt)
+
+
+def test_check_request_reports_sites_of_frames_compiled_during_the_call_as_unchecked():
+    _, r = _hoist_then_check_ones(_calls_a_breaking_helper)
+    assert not r.ok
+    (u,) = r.unchecked
+    assert u.frame.startswith("torch_dynamo_resume_in__helper_that_breaks_at_")
+    assert "during a call of _calls_a_breaking_helper" in u.why
 
 
 def _explain_json(capsys, *argv):
