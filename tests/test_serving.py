@@ -411,6 +411,30 @@ def test_check_request_reads_closure_variables():
         check_request(g, x)
 
 
+GLOBAL_MASK = torch.zeros(3, dtype=torch.long)
+
+
+@torch.no_grad()
+def _reads_a_global(x):
+    if (GLOBAL_MASK == 0).any():  # a global, read through Dynamo's wrap_inline frame
+        return x + 1
+    return x - 1
+
+
+def test_check_request_reads_globals_of_a_decorated_function():
+    from torchsync_pass import check_request
+
+    g = torch.compile(_reads_a_global, backend="nosync", options=E)
+    x = torch.ones(3)
+    g(x)
+    assert check_request(g, x).sites == 1
+    GLOBAL_MASK.fill_(1)
+    try:
+        assert [c.value for c in check_request(g, x, on_change="report").changed] == [False]
+    finally:
+        GLOBAL_MASK.fill_(0)
+
+
 def _break_then_hoist(x, tt):
     x = x * 2
     torch._dynamo.graph_break()

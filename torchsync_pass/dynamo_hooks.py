@@ -2067,6 +2067,15 @@ def wrap_inline_code() -> types.CodeType:
     return external_utils.wrap_inline(len).__code__
 
 
+def wrap_inline_globals() -> dict:
+    """The globals of Dynamo's ``wrap_inline`` frame: where Dynamo installs the modules
+    (``G['__import___main__']``) through which the guards read the globals of the functions that
+    frame inlines."""
+    from torch._dynamo import external_utils
+
+    return external_utils.wrap_inline(len).__globals__
+
+
 def resume_codes(code: types.CodeType) -> list[types.CodeType]:
     """The resume functions Dynamo generated from ``code`` after graph breaks, transitively (a
     resume function's own graph breaks generate more; Dynamo caches them under the code they were

@@ -186,7 +186,7 @@ def _function_frames(f: Any, args: tuple, kwargs: dict, name: str) -> list[_Fram
 def _inline_frame(wrapped: Any, args: tuple, kwargs: dict, name: str) -> _Frame:
     """Dynamo's ``wrap_inline`` frame around ``wrapped`` (see :func:`dynamo_hooks.wrap_inline_code`)."""
     return _Frame(dynamo_hooks.wrap_inline_code(), {"args": args, "kwargs": kwargs, "fn": wrapped},
-                  {}, name)
+                  dynamo_hooks.wrap_inline_globals(), name)
 
 
 def _bind_or_raise(target: Any, args: tuple, kwargs: dict) -> None:
@@ -287,8 +287,8 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
                 report.unchecked.append(Unchecked(
                     chk.state.site, chk.state.source, code.co_name,
                     f"hoisted in {code.co_qualname}, a frame Dynamo compiled on its own during a "
-                    f"call of {fr.name} (after a graph break at a call): its locals are not the "
-                    "request's arguments"))
+                    f"call of {fr.name} (a callee after a graph break at its call, or a function "
+                    "compiled separately): its locals are not the request's arguments"))
     if report.changed:
         log.info("%s", report.describe())
         if on_change == "raise":
@@ -343,6 +343,9 @@ def _unreadable(sources: list[str], fr: _Frame) -> str:
         if m is None:
             continue
         scope, name = m.group(1), m.group(3)
+        if scope == "G" and name not in fr.G and name.startswith("__import_"):
+            return (f"{name!r} is the module Dynamo installs in the globals of {fr.name}'s compiled "
+                    "frame to read another module's globals, and it is not there")
         if scope == "G" and name not in fr.G:
             return f"{name!r} is a global of {fr.name} that is not defined in its module"
         if scope == "L" and name not in fr.L:
