@@ -211,6 +211,31 @@ def test_identity_comparison_after_the_branch_keeps_its_sync():
     assert [d for d in decisions(Action.KEPT, Reason.BRANCH_IDENTITY) if "step" in d.code]
 
 
+@pytest.mark.parametrize("probe", ["hash", "operator.contains", "__contains__"])
+@torch.no_grad()
+def test_identity_seen_through_hashing_or_contains_keeps_its_sync(probe):
+    # a tensor hashes by identity, and list containment tries identity first: the select's copy
+    # would answer differently from eager's arm
+    import operator
+
+    torch._dynamo.reset()
+    pad = torch.zeros(1)  # one element: list containment's == fallback is a valid bool in eager
+    look = {"hash": lambda y: hash(y) == hash(pad),
+            "operator.contains": lambda y: operator.contains([pad], y),
+            "__contains__": lambda y: [pad].__contains__(y)}[probe]
+
+    def step(x, t):
+        y = pad if t[0] > 0 else x * 2
+        return y + 1, look(y)
+
+    fn = compiled(step)
+    for s in range(WARM):
+        t = torch.tensor([1 - 2 * (s % 2)])
+        want, got = step(torch.ones(1), t), fn(torch.ones(1), t)
+        assert torch.equal(want[0], got[0]) and bool(want[1]) == bool(got[1])
+    assert decisions(Action.KEPT, Reason.BRANCH_IDENTITY)
+
+
 def test_arm_requiring_grad_keeps_its_sync():
     torch._dynamo.reset()
     model = PadOrEmbed()

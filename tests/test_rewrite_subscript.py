@@ -172,3 +172,45 @@ def test_new_hook_points_are_self_tested():
         names += ["IS_OP (dispatch_table)", "CONTAINS_OP (dispatch_table)"]
     for name in names:
         assert res[name] is True, res
+
+
+@torch.no_grad()
+def test_an_active_torch_function_mode_serves_the_subscript():
+    # a mode may answer Tensor.__getitem__ itself (serve rows from elsewhere, log them): the hook
+    # leaves the subscript to Dynamo, which dispatches the mode (the gather skipped it: wrong rows)
+    from torch.overrides import TorchFunctionMode
+
+    table, other = torch.arange(12.0).reshape(4, 3), -torch.arange(12.0).reshape(4, 3)
+
+    class Redirect(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.__getitem__ and args[0] is table:
+                return other[args[1]]
+            return func(*args, **(kwargs or {}))
+
+    def f(t):
+        return table[t] + 0
+
+    fn = compiled(f)
+    with Redirect():
+        for v in (1, 2):
+            t = torch.tensor(v)
+            assert_bitwise(fn(t), f(t))  # were table's rows, not the mode's
+    # (the mode's own other[...] runs with modes off: a gather there is eager's row)
+    assert not [d for d in decisions(Action.REWRITTEN) if "table[t]" in d.source]
+
+
+@torch.no_grad()
+def test_a_lazy_conjugate_table_is_not_gathered():
+    # eager's row keeps the conjugate bit (view_as_real refuses it); a gathered row was resolved
+    table = torch.tensor([[1 + 2j, 3 - 1j], [0.5j, 2 + 0j]], dtype=torch.complex64).conj()
+
+    def f(t):
+        return table[t] * 1
+
+    fn = compiled(f)
+    t = torch.tensor(1)
+    got = fn(t)
+    assert got.is_conj() == f(t).is_conj() and torch.equal(got.resolve_conj(), f(t).resolve_conj())
+    assert not decisions(Action.REWRITTEN)
+    assert [d.reason for d in decisions(Action.KEPT)] == [Reason.REWRITE_TABLE]

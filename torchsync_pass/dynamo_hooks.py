@@ -954,6 +954,8 @@ def _tensor_table_problem(table: Any, src: str, device: torch.device) -> Optiona
         return f"rows of {src} are not contiguous: eager's row would be a strided view"
     if tex.device != device:
         return f"{src} is on {tex.device}, the index on {device}"
+    if tex.is_conj() or tex.is_neg():
+        return f"{src} is a lazy conjugate or negative view: eager's row keeps the bit, a gathered one would not"
     return None
 
 
@@ -1068,6 +1070,8 @@ def _try_subscript(tx: Any) -> bool:
     table = _peek_tensor(tx.stack[-2])
     if table is None or _user_translator(tx) is not tx or tx.output.current_tracer is not tx.output.root_tracer:
         return False
+    if _in_torch_function_mode(tx):
+        return False  # a mode may serve Tensor.__getitem__ itself: Dynamo's handler dispatches it
     src = _source_name(getattr(table, "source", None)) or "<a value built in the step>"
     try:
         site = _describe(tx, key, SUBSCR_KIND, options)
@@ -1091,6 +1095,15 @@ def _try_subscript(tx: Any) -> bool:
     tx.popn(2)
     tx.push(row)
     return True
+
+
+def _in_torch_function_mode(tx: Any) -> bool:
+    """Is a TorchFunctionMode active where ``tx`` traces (True when Dynamo's state cannot be read)?"""
+    try:
+        state = tx.symbolic_torch_function_state
+        return bool(state.torch_function_mode_enabled and state.in_torch_function_mode())
+    except Exception:
+        return True
 
 
 def _make_subscr_hook(original: Callable) -> Callable:

@@ -383,17 +383,22 @@ _NAME_LOADS = ("LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_ATTR", "LOAD_METH
 _PUSH_ONE = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_NAME", "LOAD_CONST")
 
 
+# Names whose call compares objects by identity, or hashes them (a tensor hashes by id):
+# id(y), operator.is_ / is_not, hash(y), operator.contains(rows, y), rows.__contains__(y).
+_IDENTITY_NAMES = ("id", "is_", "is_not", "hash", "__hash__", "contains", "__contains__")
+
+
 @functools.lru_cache(maxsize=4096)
 def _identity_in(code: types.CodeType, ops: bool = True) -> Optional[str]:
     """'file:line' of the first ``is`` / ``is not`` / ``in`` in ``code`` (or a function, lambda or
     comprehension it defines) not against a literal (``x is None``, ``"k" in d``), or of a use of
-    ``id`` / ``operator.is_`` / ``is_not``; only the latter when ``ops`` is False."""
+    one of ``_IDENTITY_NAMES``; only the latter when ``ops`` is False."""
     insts = list(dis.get_instructions(code))
     for k, ins in enumerate(insts):
         const = k >= 1 and (insts[k - 1].opname in _CONST_OPERAND or (
             k >= 2 and insts[k - 1].opname in _PUSH_ONE and insts[k - 2].opname in _CONST_OPERAND))
         if (ops and ins.opname in ("IS_OP", "CONTAINS_OP") and not const) or (
-                ins.opname in _NAME_LOADS and ins.argval in ("id", "is_", "is_not")):
+                ins.opname in _NAME_LOADS and ins.argval in _IDENTITY_NAMES):
             line = ins.positions.lineno if ins.positions is not None and ins.positions.lineno else code.co_firstlineno
             return f"{code.co_filename}:{line}"
     for c in code.co_consts:
