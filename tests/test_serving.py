@@ -385,14 +385,18 @@ def _closure_step(mask):
         nonlocal mask
         del mask
 
-    return step, drop
+    def rebind(new):
+        nonlocal mask
+        mask = new
+
+    return step, drop, rebind
 
 
 def test_check_request_reads_closure_variables():
     from torchsync_pass import NosyncError, check_request
 
     mask = torch.zeros(3, dtype=torch.long)
-    step, drop = _closure_step(mask)
+    step, drop, rebind = _closure_step(mask)
     g = torch.compile(step, backend="nosync", options=E)
     x = torch.ones(3)
     g(x)
@@ -401,11 +405,15 @@ def test_check_request_reads_closure_variables():
     assert (r.ok, r.sites) == (True, 1)
     mask.fill_(1)  # the closure's tensor changed in place
     assert [c.value for c in check_request(g, x, on_change="report").changed] == [False]
-    other, _ = _closure_step(torch.ones(3, dtype=torch.long))  # same code, its own closure
+    other, _, _ = _closure_step(torch.ones(3, dtype=torch.long))  # same code, its own closure
     g2 = torch.compile(other, backend="nosync", options=E)
     g2(x)
     assert [(r.sites, [c.value for c in r.changed]) for r in
             (check_request(f, x, on_change="report") for f in (g, g2))] == [(1, [False]), (1, [])]
+    rebind(torch.zeros(3, dtype=torch.long))  # `nonlocal mask; mask = ...`: the cell stays
+    assert check_request(g, x).ok
+    rebind(torch.ones(3, dtype=torch.long))
+    assert [c.value for c in check_request(g, x, on_change="report").changed] == [False]
     drop()
     with pytest.raises(NosyncError, match=r"'mask' is a closure variable of _closure_step.<locals>.step"):
         check_request(g, x)

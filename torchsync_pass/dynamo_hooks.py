@@ -2106,18 +2106,30 @@ def resume_codes(code: types.CodeType) -> list[types.CodeType]:
     return out
 
 
-def closure_identity(code: types.CodeType, frame_locals: Any) -> Optional[tuple]:
-    """Who a compiled frame belongs to among the functions sharing its code: the identity of its
-    closure variables (a ``functools.wraps`` wrapper's ``fn``, wrap_inline's ``fn``, a factory's
-    captured tensor), read from the frame's locals by name. A bound method counts as its function
-    and instance (each attribute access makes a new method object). None when the locals are
-    unknown (matches any frame)."""
-    if frame_locals is None:
-        return None
-    try:
-        return tuple(_identity(frame_locals[name]) for name in code.co_freevars)
-    except (KeyError, TypeError):
-        return None
+def closure_identity(code: types.CodeType, frame_locals: Any, cells: Any = None) -> Optional[tuple]:
+    """Who a compiled frame belongs to among the functions sharing its code, in two parts: the ids
+    of its closure cells (they stay when a closure variable is rebound) and the identity of their
+    contents, read from the frame's locals by name (what a caller can name without the cells: the
+    callable Dynamo's wrap_inline frame wraps; a bound method counts as its function and instance,
+    each attribute access making a new method object). :func:`same_owner` matches either part.
+    None when neither is known (matches any frame)."""
+    by_cell = None
+    if cells is not None and len(cells) == len(code.co_freevars):
+        by_cell = tuple(id(c) for c in cells)
+    by_value = None
+    if frame_locals is not None:
+        try:
+            by_value = tuple(_identity(frame_locals[name]) for name in code.co_freevars)
+        except (KeyError, TypeError):
+            pass
+    return None if by_cell is None and by_value is None else (by_cell, by_value)
+
+
+def same_owner(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    """Whether two :func:`closure_identity` may be the same function's (unknown: yes)."""
+    if a is None or b is None:
+        return True
+    return any(x is not None and x == y for x, y in zip(a, b))
 
 
 def _identity(value: Any) -> Any:
@@ -2127,8 +2139,25 @@ def _identity(value: Any) -> Any:
 
 
 def frame_owner(site: SyncSite) -> Optional[tuple]:
-    """:func:`closure_identity` of the frame ``site`` is being compiled in."""
-    return closure_identity(site.frame_code, site.frame_locals) if site.frame_code is not None else None
+    """:func:`closure_identity` of the frame ``site`` is being compiled in (its cells are the
+    frame's closure, which the root translator keeps)."""
+    if site.frame_code is None:
+        return None
+    root = getattr(getattr(site._tx, "output", None), "root_tx", None)
+    return closure_identity(site.frame_code, site.frame_locals, getattr(root, "closure", None))
+
+
+def inline_wrapper_of(compiled: Any) -> Any:
+    """The wrap_inline function ``torch.compile`` put around a callable, from the function it
+    returned (its ``compile_wrapper`` closes over it as ``fn``), or None."""
+    code = getattr(compiled, "__code__", None)
+    if code is None or "fn" not in code.co_freevars:
+        return None
+    try:
+        inner = compiled.__closure__[code.co_freevars.index("fn")].cell_contents
+    except (ValueError, TypeError):
+        return None
+    return inner if getattr(inner, "__code__", None) is wrap_inline_code() else None
 
 
 def code_key(code: types.CodeType) -> tuple:

@@ -1093,7 +1093,7 @@ def checks_for(frame_code: Any, owner: Optional[tuple] = None) -> list[SiteCheck
         checks = list(_checks_by_code.get(frame_code, ()))
         owners = [_owner_of.get(c) for c in checks]
     return [c for c, o in zip(checks, owners)
-            if c.state.demoted is None and (owner is None or o is None or o == owner)]
+            if c.state.demoted is None and dynamo_hooks.same_owner(o, owner)]
 
 
 def checks_compiled_inside(key: tuple) -> list[tuple[Any, SiteCheck]]:

@@ -122,6 +122,7 @@ class _Frame:
     G: dict
     name: str
     innermost: bool = False  # the user's own function (under its wrappers): on the stack of a call
+    cells: Any = None  # the function's closure cells, where known (who owns a shared code)
 
 
 def _name(obj: Any) -> str:
@@ -176,17 +177,20 @@ def _function_frames(f: Any, args: tuple, kwargs: dict, name: str) -> list[_Fram
                 pass
             else:
                 bound.apply_defaults()
-                out.append(_Frame(code, {**_closure(f), **bound.arguments}, f.__globals__, name))
+                out.append(_Frame(code, {**_closure(f), **bound.arguments}, f.__globals__, name,
+                                  cells=f.__closure__ or ()))
         f = getattr(f, "__wrapped__", None)
     if out:
         out[-1] = dataclasses.replace(out[-1], innermost=True)
     return out
 
 
-def _inline_frame(wrapped: Any, args: tuple, kwargs: dict, name: str) -> _Frame:
-    """Dynamo's ``wrap_inline`` frame around ``wrapped`` (see :func:`dynamo_hooks.wrap_inline_code`)."""
+def _inline_frame(wrapped: Any, args: tuple, kwargs: dict, name: str, inner: Any) -> _Frame:
+    """Dynamo's ``wrap_inline`` frame around ``wrapped`` (see :func:`dynamo_hooks.wrap_inline_code`);
+    ``inner``: the wrap_inline function torch.compile made, when it can be found (its cells)."""
+    cells = inner.__closure__ if inner is not None and _closure(inner).get("fn") is wrapped else None
     return _Frame(dynamo_hooks.wrap_inline_code(), {"args": args, "kwargs": kwargs, "fn": wrapped},
-                  dynamo_hooks.wrap_inline_globals(), name)
+                  dynamo_hooks.wrap_inline_globals(), name, cells=cells)
 
 
 def _bind_or_raise(target: Any, args: tuple, kwargs: dict) -> None:
@@ -223,16 +227,19 @@ def _frames(fn: Any, args: tuple, kwargs: dict) -> list[_Frame]:
     _bind_or_raise(mod.forward if mod is not None else user, args, kwargs)
     if mod is not None:
         name = _name(mod)
-        out = [_inline_frame(mod, args, kwargs, name), _inline_frame(mod.forward, args, kwargs, name)]
+        inner = dynamo_hooks.inline_wrapper_of(getattr(fn, "forward", None)) if mod is not fn else None
+        out = [_inline_frame(mod, args, kwargs, name, inner),
+               _inline_frame(mod.forward, args, kwargs, name, inner)]
         out += _function_frames(type(mod).forward, (mod, *args), kwargs, name)
         for impl in ("_call_impl", "_wrapped_call_impl"):  # both on every supported torch
             f = getattr(torch.nn.Module, impl)
             out.append(_Frame(f.__code__, {"self": mod, "args": args, "kwargs": kwargs}, f.__globals__, name))
         return out
+    inner = dynamo_hooks.inline_wrapper_of(fn)
     if getattr(user, "__code__", None) is dynamo_hooks.wrap_inline_code():
-        user = _closure(user).get("fn", user)  # torch.compile wrapped it already: a partial, ...
+        inner, user = user, _closure(user).get("fn", user)  # torch.compile wrapped it already: a partial
     name = _name(user)
-    return [_inline_frame(user, args, kwargs, name), *_function_frames(user, args, kwargs, name)]
+    return [_inline_frame(user, args, kwargs, name, inner), *_function_frames(user, args, kwargs, name)]
 
 
 def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwargs: Any) -> RequestCheck:
@@ -266,11 +273,12 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
     report = RequestCheck(frames[0].name)
     seen: set[int] = set()
     for fr in frames:
-        checks = guards.checks_for(fr.code, dynamo_hooks.closure_identity(fr.code, fr.L))
+        checks = guards.checks_for(fr.code, dynamo_hooks.closure_identity(fr.code, fr.L, fr.cells))
         _run_checks([c for c in checks if id(c) not in seen], fr, report)
         seen.update(id(c) for c in checks)
         for code in dynamo_hooks.resume_codes(fr.code):
-            for chk in guards.checks_for(code, dynamo_hooks.closure_identity(code, fr.L)):
+            cells = fr.cells if code.co_freevars == fr.code.co_freevars else None
+            for chk in guards.checks_for(code, dynamo_hooks.closure_identity(code, fr.L, cells)):
                 if id(chk) not in seen:
                     seen.add(id(chk))
                     report.unchecked.append(Unchecked(
