@@ -2070,6 +2070,7 @@ if __name__ == "__main__":  # python -m torchsync_pass.dynamo_hooks
 # --------------------------------------------------------------------------------------------
 # Which compiled frames belong to a function (serving.check_request)
 # --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)  # one per process; check_request asks per request
 def wrap_inline_code() -> types.CodeType:
     """The code of Dynamo's ``wrap_inline`` frame, ``inner(*args, **kwargs): return fn(*args,
     **kwargs)``, which ``torch.compile`` puts around a callable it cannot start tracing in (a
@@ -2080,6 +2081,7 @@ def wrap_inline_code() -> types.CodeType:
     return external_utils.wrap_inline(len).__code__
 
 
+@functools.lru_cache(maxsize=None)  # one per process; check_request asks per request
 def wrap_inline_globals() -> dict:
     """The globals of Dynamo's ``wrap_inline`` frame: where Dynamo installs the modules
     (``G['__import___main__']``) through which the guards read the globals of the functions that
