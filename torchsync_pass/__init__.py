@@ -36,6 +36,7 @@ _LAZY = {
     "check_request": "serving",
     "RequestCheck": "serving",
     "HoistedValueChanged": "serving",
+    "HoistedValueUnchecked": "serving",
 }
 
 __all__ = ["Action", "Decision", "Reason", "SiteKey", "decisions", *sorted(_LAZY)]
