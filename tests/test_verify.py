@@ -587,7 +587,9 @@ def test_verify_loop_list_of_calls_and_mode_references():
     assert "vs eager: max abs diff" in str(report)
 
 
-def test_verify_loop_compares_final_module_state():
+@pytest.mark.parametrize("reference", ["eager", "dynamo-eager"])
+def test_verify_loop_compares_final_module_state(reference):
+    # also for a mode checked against another mode (nosync-inductor is checked against inductor)
     class Leaky(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -604,11 +606,15 @@ def test_verify_loop_compares_final_module_state():
         return run
 
     calls = [((torch.ones(2),), {}) for _ in range(3)]
-    report = verify_loop(Leaky(), calls, modes=(LoopMode("forgetful", forgets_buffer_writes),))
+    modes = (LoopMode("forgetful", forgets_buffer_writes, must_equal=reference),)
+    if reference != "eager":
+        modes = (reference, *modes)
+    report = verify_loop(Leaky(), calls, modes=modes)
     mode = report["forgetful"]
-    assert not mode.ok
+    assert not mode.ok and not report.ok
     final = [m for m in mode.mismatches if m.phase == "final"]
     assert [m.mismatch.path for m in final] == ["final['module']['acc']"]
+    assert {m.reference for m in final} == {reference}
     assert all(m.phase == "final" for m in mode.mismatches)  # per-step outputs were equal
 
 
@@ -709,35 +715,3 @@ def test_verify_loop_allows_one_level_of_references():
     with pytest.raises(ValueError, match="mode 'a' must equal 'a', which itself must equal 'a'"):
         verify_loop(lambda x: x, [], modes=(LoopMode("a", "eager", must_equal="a"),))
 
-
-class _Accumulate(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("acc", torch.zeros(5))
-
-    def forward(self, x):
-        self.acc.add_(x)
-        return x * 2
-
-
-def _corrupts_written_inputs(gm, example_inputs):
-    """A backend whose outputs are right but whose in-place writes are not."""
-    def run(*args):
-        out = gm(*args)
-        with torch.no_grad():
-            for a in args:
-                if isinstance(a, torch.Tensor) and a._version > 0:  # the buffer the graph wrote
-                    a.add_(1000.0)
-        return out
-
-    return run
-
-
-def test_final_state_is_compared_for_a_mode_checked_against_another_mode():
-    # nosync-inductor is checked against inductor, not eager: its in-place writes must be checked too
-    calls = [((torch.full((5,), float(i)),), {}) for i in range(3)]
-    report = verify_loop(_Accumulate(), calls, modes=(
-        "dynamo-eager", LoopMode("corrupt", _corrupts_written_inputs, must_equal="dynamo-eager")))
-    (bad,) = [m for m in report.modes if m.name == "corrupt"]
-    assert not report.ok and not bad.ok
-    assert any(m.phase == "final" and m.reference == "dynamo-eager" for m in bad.mismatches)
