@@ -55,6 +55,7 @@ private name                                                     used by
 ``torch._dynamo.convert_frame.initial_global_state``, its JSON   :func:`frame_entry_state`
 ``__getstate__``/``__setstate__``, ``torch._C.DisableTorchFunction``
 ``torch._C._is_torch_function_all_disabled``                     :func:`snapshot_for_context`
+``torch._C.DisableTorchFunction``                                :func:`no_torch_function`
 ===============================================================  ==============================
 
 NOTE: :func:`symint_hint` asks ``guarding_hint_or_throw`` only when ``node.hint`` is missing; it
@@ -395,6 +396,12 @@ def frame_entry_state() -> Optional[tuple]:
     except Exception:
         log.debug("nosync: no frame entry state; guards check the thread count only", exc_info=True)
         return None
+
+
+def no_torch_function() -> Any:
+    """A context manager with ``__torch_function__`` off, for subclasses and modes alike: what a
+    graph Dynamo traced through them (their effects are in its ops already) runs under again."""
+    return torch._C.DisableTorchFunction()
 
 
 def snapshot_for_context(snapshots: tuple) -> Any:

@@ -2128,16 +2128,50 @@ def closure_identity(code: types.CodeType, frame_locals: Any, cells: Any = None)
 
 
 def same_owner(a: Optional[tuple], b: Optional[tuple]) -> bool:
-    """Whether two :func:`closure_identity` may be the same function's (unknown: yes)."""
+    """Whether two :func:`closure_identity` may be the same function's (unknown: yes; one whose
+    closure values died: no, whatever now lives at their addresses)."""
     if a is None or b is None:
         return True
+    if not (_alive(a[1]) and _alive(b[1])):
+        return False
     return any(x is not None and x == y for x, y in zip(a, b))
+
+
+class _Ident:
+    """An object's identity that outlives it without keeping it: its ``id`` and, where the object
+    takes one, a weak reference; equal to another only while both objects are alive (an id is
+    reused as soon as its object dies)."""
+
+    __slots__ = ("id", "ref")
+
+    def __init__(self, value: Any) -> None:
+        self.id = id(value)
+        try:
+            self.ref: Any = weakref.ref(value)
+        except TypeError:  # ints, strings, tuples, cells: the id only
+            self.ref = None
+
+    def alive(self) -> bool:
+        return self.ref is None or self.ref() is not None
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Ident) and self.id == other.id and self.alive() and other.alive()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _alive(by_value: Optional[tuple]) -> bool:
+    for v in by_value or ():
+        for part in v if isinstance(v, tuple) else (v,):
+            if isinstance(part, _Ident) and not part.alive():
+                return False
+    return True
 
 
 def _identity(value: Any) -> Any:
     if isinstance(value, types.MethodType):
-        return ("method", id(value.__func__), id(value.__self__))
-    return id(value)
+        return ("method", _Ident(value.__func__), _Ident(value.__self__))
+    return _Ident(value)
 
 
 def frame_owner(site: SyncSite) -> Optional[tuple]:

@@ -368,7 +368,7 @@ class _Running:
     """:meth:`ConeState.running` as a plain context manager: it runs for every hoisted cone at every
     new request, where a generator context manager and ``torch.no_grad()`` cost microseconds."""
 
-    __slots__ = ("dtype", "site", "saved_dtype", "saved_grad", "marker")
+    __slots__ = ("dtype", "site", "saved_dtype", "saved_grad", "marker", "no_tf")
 
     def __init__(self, dtype: Optional[torch.dtype], site: SiteKey) -> None:
         self.dtype = dtype
@@ -380,11 +380,17 @@ class _Running:
             torch.set_default_dtype(self.dtype)
         self.saved_grad = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
+        # Dynamo traced the cone through the leaves' __torch_function__ (a subclass's, a mode's):
+        # its ops already hold what those did; running them again would apply it twice. (A guard
+        # runs so already; decide at trace time and serving.check_request do not.)
+        self.no_tf = _torch_private.no_torch_function()
+        self.no_tf.__enter__()
         self.marker = guard_site(self.site)
         self.marker.__enter__()
 
     def __exit__(self, *exc: Any) -> bool:
         self.marker.__exit__()
+        self.no_tf.__exit__(None, None, None)
         torch.set_grad_enabled(self.saved_grad)
         if self.dtype is not None and self.dtype is not self.saved_dtype:
             torch.set_default_dtype(self.saved_dtype)
@@ -827,13 +833,17 @@ class SiteCheck:
 
     def _fail_state(self) -> bool:
         # the memo of this entry holds values computed under another state
+        return self._fail(self.state_change())
+
+    def state_change(self) -> str:
+        """What :meth:`state_changed` found, said plainly."""
         if torch.get_num_threads() != self.bits[0]:
-            return self._fail(f"the thread count changed ({self.bits[0]} -> {torch.get_num_threads()})")
+            return f"the thread count changed ({self.bits[0]} -> {torch.get_num_threads()})"
         entry = self.entry
-        if entry is not None and not _torch_private.snapshot_for_context(entry).check():
-            why = _torch_private.snapshot_for_context(entry).reason()
-            return self._fail(f"the global state changed ({why.strip() or 'grad mode, autocast, ...'})")
-        return self._fail(f"a per-backend fp32_precision setting changed (now {_torch_private.fp32_precisions()})")
+        snapshot = _torch_private.snapshot_for_context(entry) if entry is not None else None
+        if snapshot is not None and not snapshot.check():
+            return f"the global state changed ({snapshot.reason().strip() or 'grad mode, autocast, ...'})"
+        return f"a per-backend fp32_precision setting changed (now {_torch_private.fp32_precisions()})"
 
     def _fail_aliased(self) -> bool:
         return self._fail("an argument the graph writes in place shares memory with a hoisted leaf")

@@ -60,8 +60,9 @@ class Change:
 
     site: SiteKey
     source: str
-    value: Any  # the value for this request
+    value: Any  # the value for this request (None when not computed: see ``why``)
     compiled_for: tuple  # the values the compiled cache entries were specialised on
+    why: str = ""  # set when no entry applies whatever the value: the global state differs
 
 
 @dataclass
@@ -88,7 +89,8 @@ class RequestCheck:
         lines = [f"check_request({self.function}): {self.sites} hoisted value(s) checked, "
                  f"{self.syncs} sync(s), {len(self.changed)} changed"]
         for ch in self.changed:
-            lines.append(f"  {ch.site}: {ch.source}: {ch.value!r} for this request, compiled for "
+            now = ch.why if ch.why else f"{ch.value!r} for this request"
+            lines.append(f"  {ch.site}: {ch.source}: {now}, compiled for "
                          + ", ".join(repr(v) for v in ch.compiled_for))
         if self.unchecked:
             lines.append(f"  {len(self.unchecked)} hoisted value(s) NOT checked:")
@@ -273,7 +275,10 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
     report = RequestCheck(frames[0].name)
     seen: set[int] = set()
     for fr in frames:
-        checks = guards.checks_for(fr.code, dynamo_hooks.closure_identity(fr.code, fr.L, fr.cells))
+        # Another function's entries when none of this one's: Dynamo tries every entry of a code
+        # object (a new closure of a factory runs an older closure's entry when its values match)
+        checks = (guards.checks_for(fr.code, dynamo_hooks.closure_identity(fr.code, fr.L, fr.cells))
+                  or guards.checks_for(fr.code))
         _run_checks([c for c in checks if id(c) not in seen], fr, report)
         seen.update(id(c) for c in checks)
         for code in dynamo_hooks.resume_codes(fr.code):
@@ -331,6 +336,16 @@ def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
         # (closures of one factory, one decorator's wrapper) share its sites and cones.
         specs = {c.spec.key: c.spec for c in group}
         report.sites += 1
+        # An entry compiled under another global state (autocast, a precision setting, the thread
+        # count: what the guard checks first) cannot serve this call, and its cone must not run
+        # under this state (the memo the guard reads would keep that value).
+        live = [c for c in group if not c.state_changed()]
+        if not live:
+            report.changed.append(Change(chk.state.site, chk.state.source, None,
+                                         tuple(s.value for s in specs.values()),
+                                         why=f"not computed: {chk.state_change()} since the compile"))
+            continue
+        specs = {c.spec.key: c.spec for c in live}
         try:
             leaves = chk.getter(fr.L, fr.G)
         except Exception as e:
