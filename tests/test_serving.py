@@ -12,6 +12,7 @@ import torch
 
 import torchsync_pass
 from torchsync_pass import dynamo_hooks
+from test_core import assert_bitwise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -494,6 +495,21 @@ def test_check_request_reports_sites_of_frames_compiled_during_the_call_as_unche
     (u,) = r.unchecked
     assert u.frame.startswith("torch_dynamo_resume_in__helper_that_breaks_at_")
     assert "during a call of _calls_a_breaking_helper" in u.why
+
+
+def test_nested_graph_breaks_hoist_in_the_caller_s_resume_and_check_request_lists_them():
+    # Dynamo's nested_graph_breaks: a break inside a callee may resume in a function made from the
+    # caller or from the callee; either way results stay eager's and the hoisted site, in a resume
+    # function, is reported unchecked
+    with torch._dynamo.config.patch(nested_graph_breaks=True):
+        g = torch.compile(_calls_a_breaking_helper, backend="nosync", options=E)
+        for tt in (ZEROS, ZEROS, ONES, ONES, ZEROS):
+            x = torch.arange(3.0)
+            assert_bitwise(g(x, tt), _calls_a_breaking_helper(x, tt))
+        r = torchsync_pass.check_request(g, torch.ones(3), ONES, on_change="report")
+    assert not r.ok and r.sites == 0
+    assert r.unchecked and all(u.frame.startswith("torch_dynamo_resume_in_") for u in r.unchecked)
+    assert {u.site.line for u in r.unchecked} == {_branch.__code__.co_firstlineno + 1}
 
 
 def _explain_json(capsys, *argv):
