@@ -337,3 +337,106 @@ def test_profiler_never_restarted_inside_a_compiled_region(monkeypatch):
     inside = [s for s in starts if any(n.startswith("torch_dynamo_resume_in_")
                                        or n == "_compiles_inside_a_compiled_region" for n in s)]
     assert len(starts) >= 3 and not inside, inside
+
+
+# --- torch x Python combinations (tests/compat.sh) --------------------------------------------
+def _bool_first(x):
+    y = x * 2
+    z = y + 1
+    if (x > 0).any():  # first-bool
+        z = z - 1
+    return z
+
+
+def _calls_helper(x):
+    return _bool_helper(x * 3) + 1
+
+
+def _bool_helper(x):
+    y = x.sin()
+    if (x > 1).all():  # helper-bool
+        return y
+    return -y
+
+
+def test_compiled_bool_graph_breaks_are_at_their_lines():
+    # NOTE [TO_BOOL lines] in counting.py: on Python 3.13 Dynamo's TO_BOOL before the jump it
+    # breaks at has no source line; these were counted at the def lines (torch 2.15, Python 3.13).
+    cf = torch.compile(_bool_first, backend="eager")
+    ch = torch.compile(_calls_helper, backend="eager")
+    x = torch.ones(3)
+    cf(x), ch(x)  # compile outside the counter
+    with count_syncs() as c:
+        for _ in range(2):
+            cf(x), ch(x)
+    assert dict(c.by_site) == {
+        SiteKey(HERE, line_of(_bool_first, "# first-bool")): 2,
+        SiteKey(HERE, line_of(_bool_helper, "# helper-bool")): 2,
+    }, c.summary()
+
+
+def _events_without_python_tracer(prof):
+    """What torch 2.11 gives: the op events only, and no is_python_function() on them."""
+    from torchsync_pass import _torch_private
+
+    results = prof.kineto_results
+    ops = [e for e in results.events() if not getattr(e, "is_python_function", lambda: False)()]
+    return _torch_private.with_tree_python_events(results, ops)
+
+
+def test_python_calls_from_the_event_tree_match_the_kineto_events():
+    from torch.autograd.profiler import profile
+
+    def f(x):
+        return torch.equal(x, x), torch.nonzero(x)
+
+    with profile(use_kineto=True, with_stack=True) as p:
+        f(X)
+    events = p.kineto_results.events()
+    if not events or not hasattr(events[0], "is_python_function"):
+        pytest.skip(f"torch {torch.__version__}: kineto events carry no Python calls to compare with")
+
+    def key(e):
+        return (e.name(), e.start_ns(), e.end_ns(), e.start_thread_id(), e.is_python_function())
+
+    want = sorted(key(e) for e in events if e.device_type() == events[0].device_type())
+    got = sorted(key(e) for e in _events_without_python_tracer(p) if e.device_type() == events[0].device_type())
+    assert got == want
+    assert any(k[0].endswith(": f") and k[4] for k in got)
+
+
+def test_counts_when_the_kineto_events_lack_python_calls(monkeypatch):
+    # torch 2.11: the profiler-only syncs (function forms) were counted 0 times there.
+    from torchsync_pass import _torch_private
+
+    monkeypatch.setattr(_torch_private, "profiler_events", _events_without_python_tracer)
+    for fn, expected in ((k_nonzero, {"nonzero": 6}), (k_equal, {"equal": 6}),
+                         (k_masked_select, {"masked_select": 3})):
+        with count_syncs() as c:
+            for _ in range(3):
+                fn(X)
+        assert_counts(c, expected)
+        assert not c.notes, c.notes
+    test_function_form_sites_point_at_their_lines()
+    test_sites_point_at_the_right_lines()  # calls of the enclosing function, from the tree
+
+
+def test_unreadable_profiler_events_are_said_not_dropped(monkeypatch, caplog):
+    from torchsync_pass import _torch_private, counting
+
+    class Bare:  # a kineto event of a release that lacks a method count_syncs reads
+        def __init__(self, e):
+            self._e = e
+
+        def name(self):
+            return self._e.name()
+
+    monkeypatch.setattr(_torch_private, "profiler_events",
+                        lambda prof: [Bare(e) for e in prof.kineto_results.events()])
+    monkeypatch.setattr(counting, "_warned_unreadable", False, raising=False)
+    with count_syncs() as c:
+        k_equal(X)
+    assert dict(c.by_kind) == {"equal": 1}  # the method form; torch.equal(x, x) is not seen
+    note = counting.UNREADABLE_NOTE.format(version=torch.__version__)
+    assert c.notes == [note] and f"note: {note}" in c.summary()
+    assert note in caplog.text

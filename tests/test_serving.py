@@ -532,13 +532,15 @@ def _demo_line(tag):
 
 
 def _python_tracer_records_calls() -> bool:
-    """The profiler's Python tracer works here (on the torch 2.11.0+cu130 wheel without a GPU it
-    records aten ops but no Python calls, so no profiler-only sync has a user line)."""
+    """The profiler's Python tracer works here (without it no profiler-only sync has a user line).
+    Read as count_syncs reads it: on torch 2.11 the Python calls are in the event tree only."""
     from torch.autograd.profiler import profile
+
+    from torchsync_pass import _torch_private
 
     with profile(use_kineto=True, with_stack=True) as p:
         _demo_line("solve")
-    return any(e.is_python_function() for e in p.kineto_results.events())
+    return any(e.is_python_function() for e in _torch_private.profiler_events(p))
 
 
 def test_explain_sync_inside_an_op_in_an_inlined_helper_is_at_its_line(capsys):

@@ -36,6 +36,7 @@ private name                                                     used by
 ``torch._guards.TracingContext.get_traced_code``                 :func:`traced_code`
 ``node.meta["example_value"]`` (Dynamo's traced value)           :func:`example_value`
 ``profile.kineto_results``                                       :func:`profiler_events`
+(``.experimental_event_tree()`` on torch 2.11)
 ``torch._dynamo.utils.counters["nosync"]``                       :func:`nosync_counters`
 ``torch._logging.trace_structured``                              :func:`trace_artifact`
 ``torch._dynamo.eval_frame.set_code_exec_strategy``              :func:`skip_frames_in_dynamo`
@@ -454,8 +455,77 @@ def example_value(node: torch.fx.Node) -> Any:
 
 
 def profiler_events(prof: Any) -> list[Any]:
-    """The raw kineto events of a stopped ``torch.autograd.profiler.profile``."""
-    return list(prof.kineto_results.events())
+    """The raw kineto events of a stopped ``torch.autograd.profiler.profile``, Python tracer
+    events included; each has ``is_python_function()``.
+
+    NOTE: on torch 2.11 ``kineto_results.events()`` holds the op and device events only, and
+    ``_KinetoEvent`` has no ``is_python_function()``: the Python tracer's calls are only in
+    ``kineto_results.experimental_event_tree()`` (its ``PyCall``/``PyCCall`` nodes, same clock and
+    thread ids as the events). From 2.12 on ``events()`` holds them too.
+    """
+    results = prof.kineto_results
+    events = list(results.events())
+    if events and hasattr(events[0], "is_python_function"):
+        return events
+    return with_tree_python_events(results, events)
+
+
+def with_tree_python_events(results: Any, op_events: list[Any]) -> list[Any]:
+    """``op_events`` (kineto events without the Python tracer's) plus the Python tracer's calls
+    from ``results.experimental_event_tree()``, all read like ``_KinetoEvent``s."""
+    out: list[Any] = [_OpEvent(e) for e in op_events]
+    todo = list(results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        todo.extend(node.children)
+        if str(node.tag).rsplit(".", 1)[-1] in ("PyCall", "PyCCall"):
+            out.append(_PyTreeEvent(node))
+    return out
+
+
+class _OpEvent:
+    """A torch 2.11 ``_KinetoEvent`` (an op or device event) with ``is_python_function()``."""
+
+    __slots__ = ("_e",)
+
+    def __init__(self, e: Any) -> None:
+        self._e = e
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._e, name)
+
+    def is_python_function(self) -> bool:
+        return False
+
+
+class _PyTreeEvent:
+    """A Python tracer node of the experimental event tree, read like a ``_KinetoEvent``."""
+
+    __slots__ = ("_n",)
+
+    def __init__(self, node: Any) -> None:
+        self._n = node
+
+    def name(self) -> str:
+        return self._n.name  # may raise on a name that is not valid UTF-8, as _KinetoEvent's
+
+    def is_python_function(self) -> bool:
+        return True
+
+    def device_type(self) -> Any:
+        return torch.autograd.DeviceType.CPU
+
+    def start_ns(self) -> int:
+        return self._n.start_time_ns
+
+    def end_ns(self) -> int:
+        return self._n.end_time_ns
+
+    def start_thread_id(self) -> int:
+        return self._n.start_tid
+
+    def correlation_id(self) -> int:
+        return self._n.correlation_id
 
 
 _COUNTERS: list = []  # torch._dynamo.utils.counters, imported once (hot paths ask at every call)

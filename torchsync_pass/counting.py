@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dis
+import functools
 import hashlib
 import linecache
 import logging
@@ -293,6 +295,7 @@ class SyncCounts:
         lines = [f"{self.total} host syncs ({self.mode})"]
         for st in self.sorted_sites():
             lines.append(f"  {st.site}: {st.kind} x{st.count}  {st.source}")
+        lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -369,10 +372,45 @@ def _site_of(frame: Any) -> tuple[SiteKey, str, tuple | None]:
     _KNOWN_FILES.add(code.co_filename)
     resumed = dynamo_hooks.RESUME_RE.match(code.co_name)  # name a resume function by its original
     return (
-        SiteKey(code.co_filename, uf.f_lineno or code.co_firstlineno),
+        SiteKey(code.co_filename, _frame_line(uf)),
         resumed.group(1) if resumed else code.co_qualname,
         (code.co_filename, code.co_firstlineno, code.co_name),
     )
+
+
+_TO_BOOL = dis.opmap.get("TO_BOOL")  # Python 3.13+
+_COND_JUMPS = ("POP_JUMP_IF_TRUE", "POP_JUMP_IF_FALSE")
+
+
+def _frame_line(frame: Any) -> int:
+    """The source line of the instruction ``frame`` runs.
+
+    NOTE [TO_BOOL lines]: on Python 3.13 ``if t:`` compiles to ``TO_BOOL`` + ``POP_JUMP_IF_*``, and
+    ``TO_BOOL`` is what calls ``Tensor.__bool__``. Where Dynamo breaks the graph at such a jump
+    (torch 2.15: ``generic_jump`` in symbolic_convert.py) it emits a fresh ``TO_BOOL`` without a
+    source position, so in the code it runs ``TO_BOOL`` carries the line of the instruction before
+    it (the previous graph break's line), while the jump it precedes keeps the user's line. CPython
+    gives a ``TO_BOOL`` and the jump that consumes it the same position, so taking the jump's line
+    is exact for both.
+    """
+    line = frame.f_lineno
+    lasti = frame.f_lasti
+    if _TO_BOOL is not None and lasti >= 0:
+        co = frame.f_code.co_code
+        if lasti < len(co) and co[lasti] == _TO_BOOL:
+            line = _to_bool_jump_line(frame.f_code, lasti) or line
+    return line or frame.f_code.co_firstlineno
+
+
+@functools.lru_cache(maxsize=256)
+def _to_bool_jump_line(code: Any, lasti: int) -> int | None:
+    """The line of the conditional jump right after the ``TO_BOOL`` at ``lasti`` (None if none)."""
+    for ins in dis.get_instructions(code):
+        if ins.offset > lasti:
+            if ins.opname in _COND_JUMPS and ins.positions is not None:
+                return ins.positions.lineno
+            return None
+    return None
 
 
 def _value_key(kind: str, out: Any) -> tuple[Any, str]:
@@ -718,12 +756,19 @@ def _find_file(efile: str) -> str:
     return efile
 
 
-def _process_events(raw: list[Any], mode: str) -> tuple[list[_Event], collections.Counter, CudaCounts]:
-    """Turn raw profiler events into sync events the method wrappers did not already record."""
+def _process_events(
+    raw: list[Any], mode: str
+) -> tuple[list[_Event], collections.Counter, CudaCounts, int]:
+    """Turn raw profiler events into sync events the method wrappers did not already record.
+
+    Also returns how many events could not be read (a torch release whose events lack a method
+    read here): the caller says so rather than count fewer syncs silently.
+    """
     evs: dict[int, list[_Ev]] = collections.defaultdict(list)
     py_calls: collections.Counter = collections.Counter()
     gpu_dtoh: set[int] = set()
     cuda = CudaCounts()
+    unreadable = 0
     for e in raw:
         name = _name(e)
         if name is None:
@@ -739,6 +784,7 @@ def _process_events(raw: list[Any], mode: str) -> tuple[list[_Event], collection
                     continue
             ev = _Ev(name, e.start_ns(), e.end_ns(), e.start_thread_id(), is_py, e.correlation_id())
         except Exception:
+            unreadable += 1
             continue
         if is_py:
             u = _py_user_event(name)
@@ -786,7 +832,7 @@ def _process_events(raw: list[Any], mode: str) -> tuple[list[_Event], collection
             stack.append(ev)
     # NOTE: on an accelerator run a profiler-only read has no tensor device attached; it is
     # counted as a sync (most are reads of device tensors inside compiled graphs).
-    return out, py_calls, cuda
+    return out, py_calls, cuda, unreadable
 
 
 _STACK_LINE_RE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
@@ -1001,9 +1047,11 @@ class _Session:
         try:
             if not raw or not recs:
                 return
-            events, py_calls, cuda = _process_events(raw, recs[0].mode)
+            events, py_calls, cuda, unreadable = _process_events(raw, recs[0].mode)
         finally:
             del raw, prof  # the profiler's results: free them before recording
+        if unreadable:
+            _say_unreadable(unreadable, recs)
         for r in recs:
             for ev in events:
                 r._add(ev)
@@ -1013,6 +1061,25 @@ class _Session:
             r.cuda.device_synchronize += cuda.device_synchronize
             r.cuda.dtoh_memcpy += cuda.dtoh_memcpy
             r.cuda.by_site.update(cuda.by_site)
+
+
+UNREADABLE_NOTE = (
+    "some profiler events could not be read on torch {version}: syncs only the profiler sees "
+    "(torch.equal(a, b), torch.nonzero(x), syncs inside ops and compiled graphs) may be undercounted"
+)
+_warned_unreadable = False
+
+
+def _say_unreadable(n: int, recs: list[SyncCounts]) -> None:
+    """Profiler events were dropped: note it on every counter that missed them, warn once."""
+    global _warned_unreadable
+    note = UNREADABLE_NOTE.format(version=torch.__version__)
+    for r in recs:
+        if note not in r.notes:
+            r.notes.append(note)
+    if not _warned_unreadable:
+        _warned_unreadable = True
+        log.warning("torchsync_pass.count_syncs: %d %s", n, note)
 
 
 _SESSION = _Session()
