@@ -906,6 +906,9 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
     if tx.output.current_tracer is not tx.output.root_tracer:
         return None, ("REWRITE_OTHER_USE", "the read sits in a nested tracer")
     nxt = tx.instructions[tx.instruction_pointer] if tx.instruction_pointer is not None else None
+    why = user_handler(tx, nxt) if nxt is not None else None
+    if why is not None:  # an index out of range would raise inside the graph
+        return None, ("REWRITE_OTHER_USE", why)
     if nxt is None or nxt.opname != "BINARY_SUBSCR" or not tx.stack:
         name = "" if nxt is None else nxt.opname
         words = _USE_WORDS.get(name, f"used in an expression (next instruction: {name})")
@@ -1081,6 +1084,10 @@ def _try_subscript(tx: Any) -> bool:
     problem = _tensor_table_problem(table, src, ex.device)
     if problem is not None:
         _rewriter.kept(site, "REWRITE_TABLE", problem)
+        return False
+    why = user_handler(tx, tx.current_instruction)
+    if why is not None:  # an index out of range would raise inside the graph
+        _rewriter.kept(site, "REWRITE_OTHER_USE", why)
         return False
     _state.busy = True
     try:
@@ -1262,6 +1269,37 @@ def _handler(inst: Any) -> Any:
     return None if entry is None else (entry.target, entry.depth, entry.lasti)
 
 
+# Context managers whose ``__exit__`` never swallows an exception (Dynamo's variables for them).
+_NON_SUPPRESSING_WITH = frozenset({
+    "GradModeVariable", "InferenceModeVariable", "AutocastModeVariable", "NullContextVariable",
+    "TorchFunctionDisableVariable", "DeterministicAlgorithmsVariable", "DisabledSavedTensorsHooksVariable",
+})
+
+
+def user_handler(tx: Any, inst: Any) -> Optional[str]:
+    """Why an error raised at ``inst`` by the graph (which runs after the trace, outside every
+    ``try`` of the frame) would skip a handler that eager runs: the instruction is in a ``try``
+    block, or in a ``with`` block whose context manager may swallow exceptions
+    (``contextlib.suppress``), or in either around such a block. None: no handler, or only
+    ``with`` blocks of context managers that re-raise (grad mode, autocast, ...)."""
+    entry = getattr(inst, "exn_tab_entry", None)
+    if entry is None:
+        return None
+    blocks = list(getattr(tx, "block_stack", ()))
+    # the innermost handler must be the innermost with block's exit, and the outermost with
+    # statement itself outside any handler
+    if not blocks or getattr(blocks[-1], "target", None) is not entry.target:
+        return "it runs in a try block, whose handler cannot catch an error the graph raises"
+    for b in blocks:
+        ctx = getattr(b, "with_context", None)
+        if ctx is None or type(ctx).__name__ not in _NON_SUPPRESSING_WITH:
+            what = type(ctx).__name__ if ctx is not None else "an unknown context manager"
+            return f"it runs in a with block ({what}) whose __exit__ may catch an error the graph raises"
+    if getattr(getattr(blocks[0], "inst", None), "exn_tab_entry", None) is not None:
+        return "its with block runs in a try block, whose handler cannot catch an error the graph raises"
+    return None
+
+
 def _same_inst(a: Any, b: Any) -> bool:
     if a is b:
         return True
@@ -1289,6 +1327,9 @@ def _branch_arms(tx: Any, inst: Any) -> tuple[list, list, Any]:
     if k == 0:
         raise BranchRefused("BRANCH_FORM", "the arms never join (each returns, raises or loops on its own)")
     join = a[len(a) - k]
+    why = user_handler(tx, inst)
+    if why is not None:  # the arm eager skips may raise (an index out of range) inside the graph
+        raise BranchRefused("BRANCH_FORM", why)
     cores = [[i for i in run[: len(run) - k] if i.opname != "JUMP_FORWARD"] for run in (a, b)]
     for i in cores[0] + cores[1] + [join]:
         if i.opname not in _ARM_OPS and i is not join:

@@ -1,0 +1,102 @@
+"""Device-side rewrites where eager's Python sees more than a tensor (hostile review 5, 2026-12-01).
+
+A read rewritten into the graph raises, when its index is out of range, while the graph runs:
+after the trace, outside every ``try`` of the frame, so a user's ``except IndexError`` (or a
+``contextlib.suppress``) that catches eager's error never sees it. Reads and selects under such a
+handler are kept. Each test fails on the commit before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from test_rewrite_branch import assert_bitwise, compiled, decisions
+from test_rewrite_subscript import needs_select
+from torchsync_pass import Action, Reason
+
+TABLE = torch.arange(8.0).reshape(4, 2)
+ROWS = list(TABLE.clone().unbind(0))
+
+
+def list_read_in_try(tab, tok, x):
+    try:
+        y = tab[tok.item()] * 1
+    except IndexError:
+        y = x * -1
+    return y
+
+
+def tensor_read_in_try(tab, tok, x):
+    try:
+        y = tab[tok + 0] * 1
+    except IndexError:
+        y = x * -1
+    return y
+
+
+def read_under_suppress(tab, tok, x):
+    y = x * -1
+    with contextlib.suppress(IndexError):
+        y = tab[tok.item()] * 1
+    return y
+
+
+def read_under_no_grad_in_try(tab, tok, x):
+    try:
+        with torch.no_grad():
+            y = tab[tok + 0] * 1
+    except IndexError:
+        y = x * -1
+    return y
+
+
+@pytest.mark.parametrize("fn, tab", [(list_read_in_try, ROWS), (tensor_read_in_try, TABLE),
+                                     (read_under_suppress, ROWS), (read_under_no_grad_in_try, TABLE)],
+                         ids=["list-try", "tensor-try", "suppress", "no_grad-in-try"])
+def test_a_read_under_a_handler_eager_runs_is_not_rewritten(fn, tab):
+    f = compiled(fn)
+    for tok in (1, 2, 9, 3, -7):
+        args = (tab, torch.tensor(tok), torch.ones(2))
+        assert_bitwise(f(*args), fn(*args))
+    assert not decisions(Action.REWRITTEN)
+    assert decisions(Action.KEPT, Reason.REWRITE_OTHER_USE)
+
+
+def read_under_no_grad(tab, tok):
+    with torch.no_grad():
+        return tab[tok + 0] * 1
+
+
+def test_a_read_under_no_grad_alone_is_still_rewritten():
+    f = compiled(read_under_no_grad)
+    for tok in (1, 2, 3):
+        assert_bitwise(f(TABLE, torch.tensor(tok)), read_under_no_grad(TABLE, torch.tensor(tok)))
+    assert decisions(Action.REWRITTEN, Reason.INDEX_TENSOR)
+
+
+EMB = torch.arange(8.0).reshape(4, 2)
+
+
+@torch.no_grad()
+def select_in_try(c, tok, x):
+    try:
+        if c:
+            y = torch.nn.functional.embedding(tok, EMB)
+        else:
+            y = x * 1
+        y = y + 0
+    except IndexError:
+        y = x * -1
+    return y
+
+
+@needs_select
+def test_a_branch_under_a_try_is_not_selected():
+    f = compiled(select_in_try)
+    for c, tok in [(1, 1), (0, 1), (1, 2), (0, 0), (1, 3), (0, 1), (1, 9), (0, 9), (1, 9)]:
+        args = (torch.tensor(c), torch.tensor([tok]), torch.ones(1, 2))
+        assert_bitwise(f(*args), select_in_try(*args))
+    assert not decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)
