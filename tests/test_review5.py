@@ -100,3 +100,60 @@ def test_a_branch_under_a_try_is_not_selected():
         args = (torch.tensor(c), torch.tensor([tok]), torch.ones(1, 2))
         assert_bitwise(f(*args), select_in_try(*args))
     assert not decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)
+
+
+# A row read from a Python list of tensors is, in eager, the list's own tensor object.
+def _rows(marked=None, **attrs):
+    rows = [torch.full((2,), float(i + 1)) for i in range(3)]
+    for k, v in attrs.items():
+        setattr(rows[marked], k, v)
+    return rows
+
+
+@torch.no_grad()
+def is_the_pad_row(tab, t):
+    row = tab[t.item()]
+    return row * 0 if row is tab[0] else row * 3
+
+
+@torch.no_grad()
+def reads_an_attribute(tab, t):
+    row = tab[t.item()]
+    return row * (0 if getattr(row, "is_pad", False) else 5)
+
+
+@torch.no_grad()
+def reads_the_class(tab, t):
+    row = tab[t.item()]
+    return row * (7 if isinstance(row, torch.nn.Parameter) else 5)
+
+
+@torch.no_grad()
+def reads_the_grad(tab, t):
+    row = tab[t.item()]
+    return row * (7 if row.grad is not None else 5)
+
+
+PARAMS = [torch.nn.Parameter(torch.full((2,), float(i + 1)), requires_grad=False) for i in range(3)]
+
+
+@pytest.mark.parametrize("fn, make", [
+    (is_the_pad_row, _rows),
+    (reads_an_attribute, lambda: _rows(0, is_pad=True)),
+    (reads_the_class, lambda: PARAMS),
+    (reads_the_grad, lambda: _rows(1, grad=torch.ones(2))),
+], ids=["is", "attribute", "parameter", "grad"])
+def test_a_list_row_python_can_tell_from_a_copy_is_not_gathered(fn, make):
+    f = compiled(fn)
+    for t in (0, 1, 0, 2, 1):
+        assert_bitwise(f(make(), torch.tensor(t)), fn(make(), torch.tensor(t)))
+    assert not decisions(Action.REWRITTEN, Reason.INDEX_LIST)
+
+
+def test_a_later_call_s_list_with_a_grad_is_checked_at_the_call():
+    f = compiled(reads_the_grad)
+    for t in (0, 1, 2):
+        assert_bitwise(f(_rows(), torch.tensor(t)), reads_the_grad(_rows(), torch.tensor(t)))
+    assert decisions(Action.REWRITTEN, Reason.INDEX_LIST)  # plain tensors: gathered
+    rows = _rows(1, grad=torch.ones(2))
+    assert_bitwise(f(rows, torch.tensor(1)), reads_the_grad(rows, torch.tensor(1)))

@@ -938,6 +938,10 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
                 iex = item.as_proxy().node.meta.get("example_value") if item.is_tensor() else None
             if not isinstance(iex, torch.Tensor) or not all(isinstance(d, int) for d in iex.shape):
                 return None, ("REWRITE_TABLE", f"{src} holds something other than tensors of static size")
+            real = iex if not realize else _real_tensor(item)
+            if real is not None and _python_differs(real):
+                return None, ("REWRITE_TABLE", f"a tensor of {src} is a {type(real).__name__} or has a .grad or "
+                              "Python attributes: eager's row is that object, a gathered row a plain copy")
             metas.add((tuple(iex.shape), iex.dtype, iex.device,
                        tuple(iex.stride()) == _contiguous_strides(iex.shape)))
         meta = next(iter(metas)) if len(metas) == 1 else None
@@ -1011,6 +1015,7 @@ def _try_rewrite(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
     if ex.dtype != torch.int64:
         idx = op("call_method", "to", idx.as_proxy(), torch.int64)
     if use.form == "list":
+        _guard_list_items(site, [i.realize() for i in table.items])
         # one stack per list contents and graph: the reads of an unrolled loop share it
         items = tuple(i.realize().as_proxy().node for i in table.items)
         stacks = out.__dict__.setdefault("_nosync_stacks", {})
@@ -1451,6 +1456,43 @@ def _real_meta(v: Any) -> bool:
     return _meta_differs(traced_example(node)[0])
 
 
+def _python_differs(real: Any) -> bool:
+    """Does Python see more of this tensor than of a copy of its bits (its class, a .grad, its own
+    attributes)? What a list-table row shows that a gathered one does not (its memory aside: see
+    the README's limits)."""
+    return (type(real) is not torch.Tensor or real.grad is not None
+            or any(not k.startswith("_dynamo") for k in getattr(real, "__dict__", None) or ()))
+
+
+def _real_tensor(v: Any) -> Any:
+    """The real tensor behind a graph input's variable (None for anything else)."""
+    node = v.as_proxy().node if getattr(v, "is_tensor", lambda: False)() else None
+    if node is None or node.op != "placeholder":
+        return None
+    from ._torch_private import traced_example
+
+    return traced_example(node)[0]
+
+
+def _guard_list_items(site: SyncSite, items: list) -> None:
+    """Keep checking at every call what the list form checked of the list's input tensors at
+    compile time (a later call's list may hold a tensor with a .grad or attributes; a tensor the
+    step computes has neither, but an attribute the step sets: see attribute_written_selects)."""
+    names = [n for n in (_source_name(getattr(v, "source", None)) for v in items) if n is not None]
+    if not names:
+        return
+    get = leaf_getter(names)
+
+    def check(L: Any, G: Any) -> bool:
+        try:
+            return not any(_python_differs(t) for t in get(L, G))
+        except Exception:
+            return False
+
+    add_lambda_guard(site, check, "nosync: the tensors of a list read on the device are plain tensors without "
+                     f".grad or Python attributes ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+
+
 def _meta_differs(real: Any) -> bool:
     return (type(real) is not torch.Tensor or real.grad is not None or real._is_view()
             or real.storage_offset() != 0 or real.untyped_storage().nbytes() != real.numel() * real.element_size()
@@ -1512,7 +1554,7 @@ def attribute_written_selects() -> list:
     for v in (tx.output.side_effects.store_attr_mutations if tx is not None else ()):
         if getattr(v, "is_tensor", lambda: False)():
             use = v.as_proxy().node.meta.get(REWRITE_META)
-            if isinstance(use, RewriteUse) and use.form == "branch":
+            if isinstance(use, RewriteUse) and use.form in ("branch", "list"):
                 uses.append(use)
     return uses
 

@@ -274,10 +274,12 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
     then gather each stacked span of rows at once (:func:`fuse_gathers`)."""
     graph = gm.graph
     for use in dynamo_hooks.attribute_written_selects():
-        problem = "a Python attribute is set on the selected tensor (eager sets it on the arm's object)"
+        problem = ("a Python attribute is set on the selected tensor or gathered row (eager sets it on the "
+                   "arm's object or the list's tensor)")
+        reason = Reason.BRANCH_VALUES if use.form == "branch" else Reason.REWRITE_ALIASED
         with _lock:
-            _kept[use.site_key] = (Reason.BRANCH_VALUES, problem)
-        _record(use, Action.KEPT, Reason.BRANCH_VALUES, problem, compile_id)
+            _kept[use.site_key] = (reason, problem)
+        _record(use, Action.KEPT, reason, problem, compile_id)
         dynamo_hooks.restart_analysis(f"nosync: {use.site}: {problem}; keeping the sync")
     rows = [n for n in graph.nodes if _use(n) is not None and n.target is not torch.stack]
     if not rows:
@@ -334,17 +336,21 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
                 _kept[use.site_key] = (Reason.REWRITE_ALIASED, problem)
             _record(use, Action.KEPT, Reason.REWRITE_ALIASED, problem, compile_id)
             dynamo_hooks.restart_analysis(f"nosync: {use.site}: {problem}; keeping the sync")
-    branch_rows = [r for r in rows if _use(r).form == "branch"]
-    used = _identity_found() if branch_rows else None
+    # a select is a copy, not the arm's object; a row gathered from a list, not the list's tensor
+    object_rows = [r for r in rows if _use(r).form in ("branch", "list")]
+    used = _identity_found() if object_rows else None
     if used is not None:
-        problem = (f"{used} compares objects by identity (`is`, id()): a select is a copy, not the arm's "
-                   "object; checked over every function traced into this graph")
+        problem = (f"{used} compares objects by identity (`is`, id()): a select or a row gathered from a "
+                   "list is a copy, not eager's object; checked over every function traced into this graph")
+        def reason(r: torch.fx.Node) -> Reason:
+            return Reason.BRANCH_IDENTITY if _use(r).form == "branch" else Reason.REWRITE_ALIASED
+
         with _lock:
-            for r in branch_rows:
-                _kept[_use(r).site_key] = (Reason.BRANCH_IDENTITY, problem)
-        for r in branch_rows:
-            _record(_use(r), Action.KEPT, Reason.BRANCH_IDENTITY, problem, compile_id)
-        dynamo_hooks.restart_analysis(f"nosync: {_use(branch_rows[0]).site}: {problem}; keeping the sync")
+            for r in object_rows:
+                _kept[_use(r).site_key] = (reason(r), problem)
+        for r in object_rows:
+            _record(_use(r), Action.KEPT, reason(r), problem, compile_id)
+        dynamo_hooks.restart_analysis(f"nosync: {_use(object_rows[0]).site}: {problem}; keeping the sync")
     reads: dict[tuple, list] = {}
     for row in rows:
         reads.setdefault(_use(row).site_key, []).append(_use(row))
