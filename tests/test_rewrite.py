@@ -384,18 +384,23 @@ def test_rows_autograd_records_keep_their_sync():
     def step(ps, t, x):
         return (ps[t.item()] * x).sum()
 
-    f = torch.compile(step, backend=NosyncBackend({"codegen": "eager"}))
-    ps, ref = _params(), _params()
-    for k in (2, 3, 2):
-        f(ps, torch.tensor(k), x).backward()
-        step(ref, torch.tensor(k), x).backward()
-    for p, r in zip(ps, ref):
-        assert (p.grad is None) == (r.grad is None)
-        if r.grad is not None:
-            assert_bitwise(p.grad, r.grad)
-    (kept,) = {d.detail for d in decisions(Action.KEPT)}
-    assert "autograd records this graph" in kept
-    assert not decisions(Action.REWRITTEN)
+    for leaves in (False, True):  # nn.Parameters (not gathered: not plain tensors), plain leaves
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+        f = torch.compile(step, backend=NosyncBackend({"codegen": "eager"}))
+        ps, ref = _params(), _params()
+        if leaves:
+            ps, ref = ([p.detach().requires_grad_() for p in l] for l in (ps, ref))
+        for k in (2, 3, 2):
+            f(ps, torch.tensor(k), x).backward()
+            step(ref, torch.tensor(k), x).backward()
+        for p, r in zip(ps, ref):
+            assert (p.grad is None) == (r.grad is None)
+            if r.grad is not None:
+                assert_bitwise(p.grad, r.grad)
+        kept = [d.detail for d in decisions(Action.KEPT)]
+        assert kept and not decisions(Action.REWRITTEN)
+        assert "autograd records this graph" in kept[0] if leaves else "is a Parameter" in kept[0]
 
     W = torch.randn(6, 4)
     xg = x.clone().requires_grad_()

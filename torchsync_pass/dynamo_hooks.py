@@ -939,7 +939,7 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
             if not isinstance(iex, torch.Tensor) or not all(isinstance(d, int) for d in iex.shape):
                 return None, ("REWRITE_TABLE", f"{src} holds something other than tensors of static size")
             real = iex if not realize else _real_tensor(item)
-            if real is not None and _python_differs(real):
+            if real is not None and not _torch_private_is_fake(real) and _python_differs(real):
                 return None, ("REWRITE_TABLE", f"a tensor of {src} is a {type(real).__name__} or has a .grad or "
                               "Python attributes: eager's row is that object, a gathered row a plain copy")
             metas.add((tuple(iex.shape), iex.dtype, iex.device,
@@ -1464,14 +1464,21 @@ def _python_differs(real: Any) -> bool:
             or any(not k.startswith("_dynamo") for k in getattr(real, "__dict__", None) or ()))
 
 
+def _torch_private_is_fake(t: Any) -> bool:
+    from ._torch_private import is_fake
+
+    return is_fake(t)
+
+
 def _real_tensor(v: Any) -> Any:
     """The real tensor behind a graph input's variable (None for anything else)."""
     node = v.as_proxy().node if getattr(v, "is_tensor", lambda: False)() else None
     if node is None or node.op != "placeholder":
         return None
-    from ._torch_private import traced_example
+    from ._torch_private import is_fake, traced_example
 
-    return traced_example(node)[0]
+    real = traced_example(node)[0]
+    return None if real is None or is_fake(real) else real
 
 
 def _guard_list_items(site: SyncSite, items: list) -> None:
@@ -1479,18 +1486,23 @@ def _guard_list_items(site: SyncSite, items: list) -> None:
     compile time (a later call's list may hold a tensor with a .grad or attributes; a tensor the
     step computes has neither, but an attribute the step sets: see attribute_written_selects)."""
     names = [n for n in (_source_name(getattr(v, "source", None)) for v in items) if n is not None]
-    if not names:
-        return
+    if names:
+        _guard_none_differs(site, names, _python_differs, "the tensors of a list read on the device are plain "
+                            f"tensors without .grad or Python attributes ({', '.join(names[:3])}"
+                            f"{', ...' if len(names) > 3 else ''})")
+
+
+def _guard_none_differs(site: SyncSite, names: list, differs: Callable[[Any], bool], what: str) -> None:
+    """Guard the frame with "``differs`` is False for each of the tensors ``names``", every call."""
     get = leaf_getter(names)
 
     def check(L: Any, G: Any) -> bool:
         try:
-            return not any(_python_differs(t) for t in get(L, G))
+            return not any(differs(t) for t in get(L, G))
         except Exception:
             return False
 
-    add_lambda_guard(site, check, "nosync: the tensors of a list read on the device are plain tensors without "
-                     f".grad or Python attributes ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    add_lambda_guard(site, check, f"nosync: {what}")
 
 
 def _meta_differs(real: Any) -> bool:
@@ -1505,16 +1517,8 @@ def _guard_input_arms(site: SyncSite, arms: list) -> None:
     names = [_source_name(getattr(v, "source", None)) for v in arms]
     if any(n is None for n in names):
         raise BranchRefused("BRANCH_VALUES", "an input arm has no source to guard")
-    get = leaf_getter(names)
-
-    def check(L: Any, G: Any) -> bool:
-        try:
-            return not any(_meta_differs(t) for t in get(L, G))
-        except Exception:
-            return False
-
-    add_lambda_guard(site, check, "nosync: the input arms of a select carry nothing a copy lacks "
-                     f"({', '.join(names)}: no Python attributes, grad or shared storage)")
+    _guard_none_differs(site, names, _meta_differs, "the input arms of a select carry nothing a copy lacks "
+                        f"({', '.join(names)}: no Python attributes, grad or shared storage)")
 
 
 def guard_disjoint_storage(read: list, written: list) -> bool:
