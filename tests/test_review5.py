@@ -157,3 +157,45 @@ def test_a_later_call_s_list_with_a_grad_is_checked_at_the_call():
     assert decisions(Action.REWRITTEN, Reason.INDEX_LIST)  # plain tensors: gathered
     rows = _rows(1, grad=torch.ones(2))
     assert_bitwise(f(rows, torch.tensor(1)), reads_the_grad(rows, torch.tensor(1)))
+
+
+# A select runs the arm eager skips: its ops must have a kernel for every dtype they see.
+@torch.no_grad()
+def clamps_in_one_arm(c, m):
+    if c:
+        r = m.clamp(False, True)
+    else:
+        r = m & m
+    return r
+
+
+@torch.no_grad()
+def adds_in_one_arm(c, m):
+    if c:
+        r = m + 1
+    else:
+        r = m * 1
+    return r
+
+
+@torch.no_grad()
+def erfcx_in_one_arm(c, m):
+    if c:
+        r = torch.special.erfcx(m)
+    else:
+        r = m * 1
+    return r
+
+
+@needs_select
+@pytest.mark.parametrize("fn, first, later", [
+    (clamps_in_one_arm, torch.tensor([0, 1, 1]), torch.tensor([False, True, True])),
+    (adds_in_one_arm, torch.tensor([0, 1, 1]), torch.tensor([0, 1, 1], dtype=torch.uint32)),
+    (erfcx_in_one_arm, torch.tensor([0.5, 1.0]), torch.tensor([0.5, 1.0], dtype=torch.bfloat16)),
+], ids=["clamp-bool", "add-uint32", "erfcx-bfloat16"])
+def test_an_arm_eager_skips_never_runs_an_op_without_a_kernel_for_its_dtype(fn, first, later):
+    f = compiled(fn)
+    for c in (1.0, 0.0, 1.0, 0.0, 1.0, 0.0):  # the test changes every call: selected on `first`
+        assert_bitwise(f(torch.tensor(c), first), fn(torch.tensor(c), first))
+    assert decisions(Action.REWRITTEN, Reason.BRANCH_WHERE)
+    assert_bitwise(f(torch.tensor(0.0), later), fn(torch.tensor(0.0), later))

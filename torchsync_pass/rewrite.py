@@ -117,6 +117,10 @@ _ANY_DTYPE = frozenset({"add", "mul", "eq", "ne", "logical_and", "logical_or", "
 _NOT_COMPLEX = frozenset({"lt", "le", "gt", "ge", "minimum", "maximum", "clamp"})  # no order on complex
 _INTEGRAL_ONLY = frozenset({"bitwise_and", "bitwise_or", "bitwise_xor", "and_", "or_", "xor"})
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# The dtypes an arm's ops may run on: the unsigned 16- to 64-bit, float8 and complex32 dtypes lack
+# many kernels (add, lt, flip on the CPU) that fake tensors let through.
+_KERNEL_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                            *_FLOATS, torch.complex64, torch.complex128})
 # (position of the index, position of the indexed tensor); torch.embedding takes (weight, indices),
 # torch.nn.functional.embedding (input, weight)
 _INDEX_OPS = {"embedding": (1, 0), "index_select": (2, 0), "getitem": (1, 0), "index": (1, 0)}
@@ -225,11 +229,16 @@ class Rewriter:
                     continue
                 if n.op == "get_attr" or (name == "getitem" and _static_key(n.args[1])):
                     continue
-                if name in _LAYOUT or name in _ANY_DTYPE:
-                    continue
                 exs = [cone._example(x) for x in n.all_input_nodes] + [cone._example(n)]
                 dts = {e.dtype for e in exs if isinstance(e, torch.Tensor)}
-                if name in _NOT_COMPLEX and not any(d.is_complex for d in dts):
+                odd = dts - _KERNEL_DTYPES
+                if odd:
+                    raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} on {', '.join(sorted(map(str, odd)))} "
+                                  "(many ops have no kernel for it: it could raise where eager skips the arm)")
+                if name in _LAYOUT or name in _ANY_DTYPE:
+                    continue
+                if name in _NOT_COMPLEX and not any(d.is_complex for d in dts) and not (
+                        name == "clamp" and torch.bool in dts):  # no clamp kernel for bool
                     continue
                 if name in _INTEGRAL_ONLY:
                     if not any(d.is_floating_point or d.is_complex for d in dts):
@@ -242,6 +251,9 @@ class Rewriter:
                 if name not in _FLOAT_SAFE and not _pointwise(name):
                     raise refused("BRANCH_MAY_RAISE", f"an arm runs {name}, which nosync cannot show never "
                                   "raises for the values of the arm eager skips")
+                if name not in _FLOAT_SAFE and dts & {torch.float16, torch.bfloat16}:
+                    raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} on float16/bfloat16 (some pointwise "
+                                  "functions have no such kernel: it could raise where eager skips the arm)")
         return masks
 
 
