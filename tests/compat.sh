@@ -29,7 +29,7 @@
 #   COMPAT_PYTEST_ARGS   pytest arguments (shell words), default:
 #                        -q tests -m "not inductor" -k "core or torture or hooks or serving or
 #                        tables or wrong_results or soundness2 or invariant or rewrite or inop or
-#                        counting"
+#                        counting or review"
 #   COMPAT_NO_BUILD=1    do not build missing venvs (report them as "no venv")
 #   COMPAT_ALLOW_NO_TESTS=1  a pytest run that collects no test is not a failure
 #   COMPAT_TIMEOUT       seconds per self-test / pytest step (default 1800)
@@ -64,7 +64,7 @@ SELFTEST=${COMPAT_SELFTEST:-$DEFAULT_SELFTEST}
 if [ -n "${COMPAT_PYTEST_ARGS:-}" ]; then
     eval "PYTEST_ARGS=(${COMPAT_PYTEST_ARGS})"
 else
-    PYTEST_ARGS=(-q tests -m "not inductor" -k "core or torture or hooks or serving or tables or wrong_results or soundness2 or invariant or rewrite or inop or counting")
+    PYTEST_ARGS=(-q tests -m "not inductor" -k "core or torture or hooks or serving or tables or wrong_results or soundness2 or invariant or rewrite or inop or counting or review")
 fi
 STEP_TIMEOUT=${COMPAT_TIMEOUT:-1800}
 BASE_PKGS=(sympy networkx pytest numpy "setuptools>=61" wheel)

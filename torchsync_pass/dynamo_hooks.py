@@ -1274,35 +1274,86 @@ def _handler(inst: Any) -> Any:
     return None if entry is None else (entry.target, entry.depth, entry.lasti)
 
 
-# Context managers whose ``__exit__`` never swallows an exception (Dynamo's variables for them).
+# Context managers whose ``__exit__`` never swallows an exception (Dynamo's variables for them;
+# the names differ between releases, an unknown one is refused).
 _NON_SUPPRESSING_WITH = frozenset({
     "GradModeVariable", "InferenceModeVariable", "AutocastModeVariable", "NullContextVariable",
     "TorchFunctionDisableVariable", "DeterministicAlgorithmsVariable", "DisabledSavedTensorsHooksVariable",
+    "ProfilerContextVariable", "ProfilerRecordFunctionContextVariable", "RecordFunctionVariable",
+    "SDPAKernelVariable", "PreserveVersionContextVariable", "FxTracebackAnnotateVariable",
+    "StreamContextVariable", "StreamVariable", "CudaStreamVariable", "GenericDeviceVariable",
+    "CUDADeviceVariable", "AcceleratorDeviceIndexVariable",
 })
+# A handler that reaches one of these (an except clause's test, a jump out of the handler, a
+# return, a raise of another exception) may end or replace the exception; one that reaches RERAISE
+# first only runs cleanup code (a finally body, a comprehension restoring its variable, a with
+# block's exit) and passes the same exception on.
+_MAY_CATCH = frozenset({"CHECK_EXC_MATCH", "CHECK_EG_MATCH", "RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE",
+                        "SEND", "END_ASYNC_FOR", "CLEANUP_THROW", "RAISE_VARARGS"})
+_MAX_HANDLER_SCAN = 256
+
+
+def _with_context(tx: Any, target: Any) -> Any:
+    """The context manager variable of the ``with`` block whose exit handler is ``target``: on the
+    frame's block stack, or (an inlined frame's block keeps none) in the exit function the with
+    statement left on the value stack, just below the block's own values)."""
+    stack = getattr(tx, "stack", ())
+    for b in reversed(getattr(tx, "block_stack", ())):
+        if getattr(b, "target", None) is not target:
+            continue
+        if getattr(b, "with_context", None) is not None:
+            return b.with_context
+        k = getattr(b, "stack_index", None)  # the exit function sits just below the block's stack
+        if isinstance(k, int) and 0 < k <= len(stack) and type(stack[k - 1]).__name__ == "WithExitFunctionVariable":
+            return getattr(stack[k - 1], "ctx", None)
+    return None
+
+
+def _handler_catches(tx: Any, entry: Any) -> tuple[Optional[str], Any]:
+    """(why the handler ``entry`` leads to may end the exception, None) or (None, the entry of the
+    handler it re-raises to: None when the exception leaves the frame)."""
+    insts, i = tx.instructions, tx.indexof.get(entry.target)
+    for _ in range(_MAX_HANDLER_SCAN):
+        if i is None or i >= len(insts):
+            break
+        inst = insts[i]
+        if inst.opname == "RERAISE":
+            return None, getattr(inst, "exn_tab_entry", None)
+        if inst.opname == "WITH_EXCEPT_START":
+            ctx = _with_context(tx, entry.target)
+            if ctx is None or type(ctx).__name__ not in _NON_SUPPRESSING_WITH:
+                what = type(ctx).__name__ if ctx is not None else "an unknown context manager"
+                return f"a with block ({what}) whose __exit__ may catch an error the graph raises", None
+            return None, getattr(inst, "exn_tab_entry", None)
+        if inst.opname in _MAY_CATCH or inst.target is not None:
+            return "a try block, whose handler cannot catch an error the graph raises", None
+        i += 1
+    return "a try block, whose handler cannot catch an error the graph raises", None
 
 
 def user_handler(tx: Any, inst: Any) -> Optional[str]:
     """Why an error raised at ``inst`` by the graph (which runs after the trace, outside every
-    ``try`` of the frame) would skip a handler that eager runs: the instruction is in a ``try``
-    block, or in a ``with`` block whose context manager may swallow exceptions
-    (``contextlib.suppress``), or in either around such a block. None: no handler, or only
-    ``with`` blocks of context managers that re-raise (grad mode, autocast, ...)."""
-    entry = getattr(inst, "exn_tab_entry", None)
-    if entry is None:
-        return None
-    blocks = list(getattr(tx, "block_stack", ()))
-    # the innermost handler must be the innermost with block's exit, and the outermost with
-    # statement itself outside any handler
-    if not blocks or getattr(blocks[-1], "target", None) is not entry.target:
-        return "it runs in a try block, whose handler cannot catch an error the graph raises"
-    for b in blocks:
-        ctx = getattr(b, "with_context", None)
-        if ctx is None or type(ctx).__name__ not in _NON_SUPPRESSING_WITH:
-            what = type(ctx).__name__ if ctx is not None else "an unknown context manager"
-            return f"it runs in a with block ({what}) whose __exit__ may catch an error the graph raises"
-    if getattr(getattr(blocks[0], "inst", None), "exn_tab_entry", None) is not None:
-        return "its with block runs in a try block, whose handler cannot catch an error the graph raises"
-    return None
+    handler of the frame and of the frames that call it) would skip a handler that eager runs: the
+    instruction runs in a ``try`` block with an ``except`` clause, in a ``with`` block whose context
+    manager may swallow exceptions (``contextlib.suppress``), or a call of a function inlined there.
+    None: no handler, or only handlers that re-raise (``finally`` bodies, a comprehension's cleanup,
+    ``with`` blocks of context managers that never swallow: grad mode, autocast, profiling ...)."""
+    where = "it runs in"
+    for _ in range(64):
+        entry = getattr(inst, "exn_tab_entry", None)
+        for _ in range(64):
+            if entry is None:
+                break
+            why, entry = _handler_catches(tx, entry)
+            if why is not None:
+                return f"{where} {why}"
+        parent = getattr(tx, "parent", None)
+        if parent is None:
+            return None
+        tx, inst, where = parent, getattr(parent, "current_instruction", None), "its caller runs in"
+        if inst is None:
+            return "its caller's instruction is unknown"
+    return "the handlers nest too deep to follow"
 
 
 def _same_inst(a: Any, b: Any) -> bool:
@@ -1908,6 +1959,47 @@ def _patch() -> None:
     if not found:
         raise AttributeError("no generic_jump handlers found on the instruction translators")
     _patch_subscript()
+    _patch_grad()
+
+
+# NOTE [The .grad of a gathered row]: eager's row is a view of the table (or the list's own
+# tensor, checked at every call to have no .grad): its ``.grad`` is None. The gathered row is a new
+# tensor in the graph, and Dynamo before torch 2.13 answers ``.grad`` of any tensor computed in the
+# graph with an attribute proxy, which ``is not None`` takes for a tensor (stock ``(x * 1).grad is
+# not None`` is True on 2.11; 2.12 answers it for some rows only; 2.13 answers None for a tensor
+# the graph made, in ``method_attr_grad``). On those releases
+# the row's ``.grad`` is answered None, as eager's row answers, unless the step set it.
+def _grad_hooked() -> bool:
+    return _torch_version() < (2, 13)
+
+
+def _make_grad_hook(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def var_getattr(self: Any, tx: Any, name: str) -> Any:
+        if name == "grad" and type(self).__name__ == "TensorVariable":
+            proxy = getattr(self, "proxy", None)
+            node = getattr(proxy, "node", None)
+            if node is not None and REWRITE_META in node.meta and node.target is torch.ops.aten.index.Tensor \
+                    and not tx.output.side_effects.has_pending_mutation_of_attr(self, "grad"):
+                from torch._dynamo.variables import ConstantVariable
+
+                return ConstantVariable.create(None)
+        return original(self, tx, name)
+
+    var_getattr.__nosync_hook__ = True  # type: ignore[attr-defined]
+    return var_getattr
+
+
+def _patch_grad() -> None:
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    if not _grad_hooked():
+        return
+    original = TensorVariable.__dict__["var_getattr"]
+    if getattr(original, "__nosync_hook__", False):
+        return
+    _originals["TensorVariable.var_getattr"] = original
+    TensorVariable.var_getattr = _make_grad_hook(original)
 
 
 def _patch_subscript() -> None:
@@ -1989,7 +2081,7 @@ class _SelfTestBackend:
         return gm.forward
 
 
-SELF_TEST_FILE = "<torchsync_pass self-test>"
+SELF_TEST_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_self_test_fns.py")
 
 
 def in_self_test() -> bool:
@@ -1997,49 +2089,13 @@ def in_self_test() -> bool:
     return getattr(_state, "self_test", False)
 
 
-_SELF_TEST_SRC = """
-def f_item(x):
-    return x * x.sum().item()
-
-def f_tolist(x):
-    a, b = x.tolist()
-    return x + a + b
-
-def f_bool(x):
-    return x + 1 if bool(x.sum()) else x - 1
-
-def f_int(x):
-    return x * int(x.sum())
-
-def f_float(x):
-    return x * float(x.sum())
-
-def f_index(x):
-    return x * operator.index(x.sum())
-
-def f_jump(x):
-    if x.sum() > 0:
-        return x + 1
-    return x - 1
-
-def f_subscript(x):
-    return x * x[x.sum() - 4]
-
-def f_is(x):
-    y = x + 1
-    return x * 2 if y is x else x * 3
-
-def f_contains(x):
-    return x * 2 if x in {x: 1} else x * 3
-"""
-
-
 def _self_test_fns() -> dict[str, Callable]:
     # NOTE: compiled from source on every call, so each self-test run has fresh code objects: it
     # never meets cache entries of an earlier run and never needs torch._dynamo.reset(), which
     # would throw away everything the user's process has compiled so far.
     env: dict[str, Any] = {"operator": operator}
-    exec(compile(_SELF_TEST_SRC, SELF_TEST_FILE, "exec"), env)  # noqa: S102
+    with open(SELF_TEST_FILE, encoding="utf-8") as f:
+        exec(compile(f.read(), SELF_TEST_FILE, "exec"), env)  # noqa: S102
     out = {}
     for kind in _METHOD_HOOKS:
         fn = env[f"f_{kind}"]
@@ -2054,6 +2110,8 @@ def _self_test_fns() -> dict[str, Callable]:
         out[f"TensorVariable.{attr}"] = fn
     out["generic_jump (dispatch_table)"] = env["f_jump"]
     out["BINARY_SUBSCR (dispatch_table)"] = env["f_subscript"]
+    if _grad_hooked():
+        out["TensorVariable.var_getattr (a gathered row's .grad)"] = env["f_row_grad"]
     if _identity_hooked():
         out["IS_OP (dispatch_table)"] = env["f_is"]
         out["CONTAINS_OP (dispatch_table)"] = env["f_contains"]
@@ -2116,7 +2174,7 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
     try:
         for name, fn in _self_test_fns().items():
             seen.clear()
-            ints = fn.__name__ in ("f_tolist", "f_index", "f_int", "f_subscript")
+            ints = fn.__name__ in ("f_tolist", "f_index", "f_int", "f_subscript", "f_row_grad")
             x = torch.tensor([2, 3]) if ints else torch.tensor([2.0, 3.0])
             try:
                 backend = _SelfTestBackend()

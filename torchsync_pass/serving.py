@@ -343,7 +343,10 @@ def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
         if not live:
             report.changed.append(Change(chk.state.site, chk.state.source, None,
                                          tuple(s.value for s in specs.values()),
-                                         why=f"not computed: {chk.state_change()} since the compile"))
+                                         why=f"not computed: {chk.state_change()} since the compile "
+                                             "(check_request runs under the global state it is called "
+                                             "under: call it under the state the steps run in, e.g. "
+                                             "inside the engine's torch.inference_mode())"))
             continue
         specs = {c.spec.key: c.spec for c in live}
         try:
@@ -352,6 +355,16 @@ def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
             raise NosyncError(
                 f"check_request({fr.name}): {chk.state.site}: cannot read {', '.join(chk.sources)}: "
                 f"{_unreadable(chk.sources, fr)} ({type(e).__name__}: {e})") from e
+        inference = [src for t, d, src in zip(leaves, chk.declared, chk.sources)
+                     if not d and isinstance(t, torch.Tensor) and t.is_inference()]
+        if inference:  # no version counter: the guard cannot keep the value, it fails the entry
+            report.changed.append(Change(
+                chk.state.site, chk.state.source, None, tuple(s.value for s in specs.values()),
+                why=f"not computed: {', '.join(inference)} is an inference tensor (made under "
+                    "torch.inference_mode(); it has no version counter), which the guard refuses, so "
+                    "the call recompiles; make it outside inference mode, or declare it in "
+                    "options['invariant'] (no in-place writes)"))
+            continue
         entry, synced = cone.current(tuple(leaves), cone.memo_for(bits))
         report.syncs += int(synced)
         if entry.key not in specs:
