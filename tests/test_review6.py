@@ -182,3 +182,95 @@ def test_the_self_test_leaves_no_cache_entry_on_dynamos_shared_wrapper_frame():
     result = dynamo_hooks.self_test()
     assert result and all(result.values()), result
     assert _debug_get_cache_entry_list(dynamo_hooks.wrap_inline_code()) == []
+
+
+# Hostile review 6b (same day), of the commit above: a finally body is not mere cleanup; a with
+# block's state is set inside the graph; an attribute set on a list's tensor.
+def finally_raises_another_error(tab, tok):
+    try:
+        y = tab[tok + 0] * 1
+    finally:
+        z = y + 0  # eager: y unbound when the read raised -> UnboundLocalError
+    return z
+
+
+LOG: list = []
+
+
+def finally_has_a_side_effect(tab, tok):
+    try:
+        y = tab[tok + 0] * 1
+    finally:
+        LOG.append("cleanup")
+    return y
+
+
+@pytest.mark.parametrize("fn", [finally_raises_another_error, finally_has_a_side_effect], ids=["raises", "side-effect"])
+def test_a_finally_body_that_runs_code_keeps_the_read(fn):
+    f = compiled(fn)
+    for tok in (1, 9, 2, 9):
+        LOG.clear()
+        want = outcome(fn, TABLE, torch.tensor(tok))
+        want_log = list(LOG)
+        LOG.clear()
+        got = outcome(f, TABLE, torch.tensor(tok))
+        if isinstance(want, torch.Tensor):
+            assert_bitwise(got, want)
+        else:
+            assert got is want
+        assert LOG == want_log
+    assert not decisions(Action.REWRITTEN)
+
+
+@torch.no_grad()
+def read_under_no_grad(tab, tok):
+    return tab[tok + 0] * 1
+
+
+def read_under_sdpa_kernel(tab, tok):
+    with sdpa_kernel(SDPBackend.MATH):
+        return tab[tok + 0] * 1
+
+
+@pytest.mark.parametrize("fn", [read_under_no_grad, read_under_sdpa_kernel], ids=["no_grad", "sdpa_kernel"])
+def test_an_out_of_range_read_inside_a_with_leaves_the_global_state_as_eager(fn):
+    f = compiled(fn)
+    assert_bitwise(f(TABLE, torch.tensor(1)), fn(TABLE, torch.tensor(1)))
+    assert decisions(Action.REWRITTEN)
+    try:
+        assert outcome(f, TABLE, torch.tensor(9)) is IndexError
+        assert torch.is_grad_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+        torch.backends.cuda.enable_flash_sdp(True)
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
+
+
+def _list():
+    return [torch.arange(2.0) + 2 * i for i in range(4)]
+
+
+def sets_an_attribute_then_reads_the_row(rows, t):
+    r = rows[t.item()]
+    r.tag = 3
+    return rows[t.item()] * getattr(rows[t.item()], "tag", 1)
+
+
+def sets_a_grad_then_reads_the_row(rows, t, g):
+    r1 = rows[t.item()]
+    r1.grad = g
+    r2 = rows[t.item()]
+    return r2 * (7 if r2.grad is not None else 5)
+
+
+def test_an_attribute_set_on_a_lists_tensor_is_seen_by_a_later_read_of_its_row():
+    f = compiled(sets_an_attribute_then_reads_the_row)
+    for t in (1, 2):
+        assert_bitwise(f(_list(), torch.tensor(t)), sets_an_attribute_then_reads_the_row(_list(), torch.tensor(t)))
+    torch._dynamo.reset()
+    f = compiled(sets_a_grad_then_reads_the_row)
+    for t in (1, 2):
+        mine, theirs = _list(), _list()
+        assert_bitwise(f(mine, torch.tensor(t), torch.ones(2)), sets_a_grad_then_reads_the_row(theirs, torch.tensor(t), torch.ones(2)))
+        assert [r.grad is not None for r in mine] == [r.grad is not None for r in theirs]

@@ -38,6 +38,7 @@ private name                                                     used by
 ``profile.kineto_results``                                       :func:`profiler_events`
 (``.experimental_event_tree()`` on torch 2.11)
 ``torch._dynamo.utils.counters["nosync"]``                       :func:`nosync_counters`
+``torch._C._set_grad_enabled`` (Dynamo's grad-mode graph node)   :func:`is_grad_mode_setter`
 ``torch._logging.trace_structured``                              :func:`trace_artifact`
 ``torch._dynamo.eval_frame.set_code_exec_strategy``              :func:`skip_frames_in_dynamo`
 ``torch._C._profiler._RecordFunctionFast``                       :func:`profiler_range`
@@ -842,3 +843,8 @@ class CompilationWatch:
                 dutils.set_compilation_metrics_limit(self._old_limit)
         return [CompileRecord(**{f.name: getattr(m, f.name) for f in dataclasses.fields(CompileRecord)})
                 for m in new]
+
+
+def is_grad_mode_setter(target: Any) -> bool:
+    """Is ``target`` the function Dynamo traces a grad-mode switch (``with torch.no_grad()``) as?"""
+    return target is torch._C._set_grad_enabled

@@ -260,6 +260,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         log.warning("nosync: %s codegen failed; falling back to the FX graph (eager)",
                     opts.codegen, exc_info=True)
         compiled = gm.forward
+    compiled = rewrite.restore_state_on_error(gm, compiled)
     entry = {"graph": gm, "codegen": opts.codegen, "mode": mode, "compile_id": compile_id,
              "verified": None}
     if reference is not None:

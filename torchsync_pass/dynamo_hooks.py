@@ -1290,6 +1290,10 @@ _NON_SUPPRESSING_WITH = frozenset({
 # block's exit) and passes the same exception on.
 _MAY_CATCH = frozenset({"CHECK_EXC_MATCH", "CHECK_EG_MATCH", "RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE",
                         "SEND", "END_ASYNC_FOR", "CLEANUP_THROW", "RAISE_VARARGS"})
+# What a re-raising handler may run besides RERAISE: stack shuffles, the exception state, stores
+# to locals (a comprehension restoring its variable). Nothing that can raise or be seen.
+_INERT = frozenset({"PUSH_EXC_INFO", "POP_EXCEPT", "SWAP", "COPY", "POP_TOP", "NOP", "STORE_FAST", "CACHE",
+                    "EXTENDED_ARG", "LOAD_CONST"})
 _MAX_HANDLER_SCAN = 256
 
 
@@ -1327,6 +1331,11 @@ def _handler_catches(tx: Any, entry: Any) -> tuple[Optional[str], Any]:
             return None, getattr(inst, "exn_tab_entry", None)
         if inst.opname in _MAY_CATCH or inst.target is not None:
             return "a try block, whose handler cannot catch an error the graph raises", None
+        if inst.opname not in _INERT:
+            # a finally body (or an except clause that re-raises) running code: eager runs it
+            # before the error leaves, and it may raise another error or make a side effect
+            return ("a try block whose finally (or except) code runs before the error leaves, which the "
+                    "graph's error would skip"), None
         i += 1
     return "a try block, whose handler cannot catch an error the graph raises", None
 
@@ -1601,11 +1610,20 @@ def guard_disjoint_storage(read: list, written: list) -> bool:
 def attribute_written_selects() -> list:
     """The RewriteUse of each select that got a Python attribute set after the join (``y.tag = i``):
     eager sets it on the arm's object, which a select is not (and an unused select is not even in
-    the graph the backend sees)."""
+    the graph the backend sees); of each gathered list row that got one, and of each list read
+    whose list had a tensor get one (Note [Attributes set on a gathered row])."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     tx = InstructionTranslator.current_tx()
-    uses = []
+    uses = list(getattr(tx.output, "_nosync_attr_written", ())) if tx is not None else []
+    # an attribute (or .grad) set on a list's own tensor: eager's later read of that row is that
+    # tensor, a gathered row a copy without it
+    written = getattr(tx.output, "_nosync_attr_written_sources", None) if tx is not None else None
+    if written:
+        for n in tx.output.graph.nodes:
+            use = n.meta.get(REWRITE_META)
+            if isinstance(use, RewriteUse) and use.form == "list" and any(w.startswith(use.table + "[") for w in written):
+                uses.append(use)
     for v in (tx.output.side_effects.store_attr_mutations if tx is not None else ()):
         if getattr(v, "is_tensor", lambda: False)():
             use = v.as_proxy().node.meta.get(REWRITE_META)
@@ -1960,6 +1978,7 @@ def _patch() -> None:
         raise AttributeError("no generic_jump handlers found on the instruction translators")
     _patch_subscript()
     _patch_grad()
+    _patch_store_attr()
 
 
 # NOTE [The .grad of a gathered row]: eager's row is a view of the table (or the list's own
@@ -1988,6 +2007,44 @@ def _make_grad_hook(original: Callable) -> Callable:
 
     var_getattr.__nosync_hook__ = True  # type: ignore[attr-defined]
     return var_getattr
+
+
+# NOTE [Attributes set on a gathered row]: Dynamo drops the attribute writes of a tensor nobody
+# reads after the trace (the row of ``r = rows[i]; r.tag = 3``) before the backend sees the graph,
+# while eager set the attribute on the list's own tensor, which a later read of the same row sees.
+# Every attribute write Dynamo records is noted here at the time, on the traced frame's output.
+def _make_store_attr_hook(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def store_attr(self: Any, item: Any, name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if getattr(item, "is_tensor", lambda: False)():
+                use = item.as_proxy().node.meta.get(REWRITE_META)
+                if isinstance(use, RewriteUse) and in_self_test():
+                    _state.attr_seen = True  # the self-test's row is a tensor table's: a view in eager
+                from torch._dynamo.symbolic_convert import InstructionTranslator
+
+                tx = InstructionTranslator.current_tx()
+                if tx is not None and isinstance(use, RewriteUse) and use.form in ("branch", "list"):
+                    tx.output.__dict__.setdefault("_nosync_attr_written", []).append(use)
+                src = _source_name(getattr(item, "source", None))
+                if tx is not None and src is not None:  # a list's own tensor (see attribute_written_selects)
+                    tx.output.__dict__.setdefault("_nosync_attr_written_sources", set()).add(src)
+        except Exception:  # noqa: BLE001 - never break Dynamo's own store
+            log.debug("nosync: attribute-store note failed", exc_info=True)
+        return original(self, item, name, value, *args, **kwargs)
+
+    store_attr.__nosync_hook__ = True  # type: ignore[attr-defined]
+    return store_attr
+
+
+def _patch_store_attr() -> None:
+    from torch._dynamo.side_effects import SideEffects
+
+    original = SideEffects.__dict__["store_attr"]
+    if getattr(original, "__nosync_hook__", False):
+        return
+    _originals["SideEffects.store_attr"] = original
+    SideEffects.store_attr = _make_store_attr_hook(original)
 
 
 def _patch_grad() -> None:
@@ -2043,6 +2100,10 @@ def _unpatch() -> None:
         if owner == "TensorVariable":
             setattr(TensorVariable, attr, original)
             _replace_tp_method_back(TensorVariable, attr, original)
+        elif owner == "SideEffects":
+            from torch._dynamo.side_effects import SideEffects
+
+            setattr(SideEffects, attr, original)
     for cls in _translator_classes():
         for name, fn in list(vars(cls).items()):
             if getattr(fn, "__nosync_hook__", False):
@@ -2112,6 +2173,7 @@ def _self_test_fns() -> dict[str, Callable]:
     out["BINARY_SUBSCR (dispatch_table)"] = env["f_subscript"]
     if _grad_hooked():
         out["TensorVariable.var_getattr (a gathered row's .grad)"] = env["f_row_grad"]
+    out["SideEffects.store_attr (an attribute set on a gathered row)"] = env["f_row_attr"]
     if _identity_hooked():
         out["IS_OP (dispatch_table)"] = env["f_is"]
         out["CONTAINS_OP (dispatch_table)"] = env["f_contains"]
@@ -2174,12 +2236,15 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
     try:
         for name, fn in _self_test_fns().items():
             seen.clear()
-            ints = fn.__name__ in ("f_tolist", "f_index", "f_int", "f_subscript", "f_row_grad")
+            ints = fn.__name__ in ("f_tolist", "f_index", "f_int", "f_subscript", "f_row_grad", "f_row_attr")
             x = torch.tensor([2, 3]) if ints else torch.tensor([2.0, 3.0])
             try:
                 backend = _SelfTestBackend()
+                _state.attr_seen = False
                 got = torch.compile(fn, backend=backend)(x)
                 fired = backend.identity_uses if fn.__name__ in ("f_is", "f_contains") else seen
+                if fn.__name__ == "f_row_attr":
+                    fired = fired if getattr(_state, "attr_seen", False) else []
                 ok = bool(fired) and backend.graphs == 1 and torch.equal(got, fn(x))
             except Exception:
                 log.debug("nosync self-test %s failed", name, exc_info=True)

@@ -506,3 +506,61 @@ def fuse_gathers(gm: torch.fx.GraphModule) -> int:
 
 def dotted(source: str) -> str:
     return cone.dotted_name(source) if source.startswith(("L[", "G[")) else source
+
+
+# NOTE [Global state when a rewritten read raises]: a ``with torch.no_grad()`` (or
+# ``sdpa_kernel``) inside the compiled frame becomes graph nodes that set the state and set it back.
+# A rewritten read out of range raises between them: eager's ``__exit__`` restores the state, the
+# graph does not (with ``codegen="eager"`` grad mode stays off for the rest of the process; stock
+# Dynamo's eager backend shares this for any error raised inside such a graph, but stock keeps the
+# read's sync and raises in Python). A graph with a rewrite and such nodes restores, when it
+# raises, the state it found: grad mode and the scaled-dot-product backend switches.
+_SDP_SWITCHES = ("flash", "mem_efficient", "math", "cudnn")
+
+
+def _state_nodes(gm: torch.fx.GraphModule) -> set:
+    kinds: set = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if _torch_private.is_grad_mode_setter(n.target):
+            kinds.add("grad")
+        elif getattr(n.target, "__module__", "") == "torch.nn.attention" and getattr(n.target, "__name__", "") == "_sdpa_kernel":
+            kinds.add("sdp")
+    return kinds
+
+
+def _sdp_state() -> tuple:
+    b = torch.backends.cuda
+    return tuple(getattr(b, f"{k}_sdp_enabled")() for k in _SDP_SWITCHES)
+
+
+def _set_sdp_state(state: tuple) -> None:
+    b = torch.backends.cuda
+    for k, on in zip(_SDP_SWITCHES, state):
+        getattr(b, f"enable_{k}_sdp")(on)
+
+
+def restore_state_on_error(gm: torch.fx.GraphModule, compiled: Any) -> Any:
+    """``compiled``, or a wrapper restoring grad mode and the SDP switches when it raises (Note
+    [Global state when a rewritten read raises]); only for graphs with a rewrite and state nodes."""
+    if not any(_use(n) is not None for n in gm.graph.nodes):
+        return compiled
+    kinds = _state_nodes(gm)
+    if not kinds:
+        return compiled
+    sdp = "sdp" in kinds
+
+    @functools.wraps(compiled)
+    def run(*args: Any) -> Any:
+        grad = torch.is_grad_enabled()
+        state = _sdp_state() if sdp else None
+        try:
+            return compiled(*args)
+        except BaseException:
+            torch.set_grad_enabled(grad)
+            if state is not None:
+                _set_sdp_state(state)
+            raise
+
+    return run
