@@ -845,6 +845,43 @@ class CompilationWatch:
                 for m in new]
 
 
+def frame_entry_grad_mode() -> Optional[bool]:
+    """While Dynamo traces a frame: the grad mode it was entered with (:func:`frame_entry_state`)."""
+    entry = frame_entry_state()
+    if entry is None:
+        return None
+    try:
+        mode = json.loads(entry[0].__getstate__()).get("grad_mode")
+    except Exception:
+        return None
+    return mode if isinstance(mode, bool) else None
+
+
+_SDP_SWITCHES = ("flash", "mem_efficient", "math", "cudnn")
+
+
+def sdp_state() -> tuple:
+    """The switches ``sdpa_kernel`` sets: each backend's, the overrideable backend's and, where
+    this torch has one, the priority order (``set_priority=True``)."""
+    b = torch.backends.cuda
+    switches = tuple(getattr(b, f"{k}_sdp_enabled")() for k in _SDP_SWITCHES)
+    get_over = getattr(torch._C, "_get_overrideable_sdp_enabled", None)
+    get_order = getattr(torch._C, "_get_sdp_priority_order", None)
+    return (switches, get_over() if get_over is not None else None,
+            tuple(get_order()) if get_order is not None else None)
+
+
+def set_sdp_state(state: tuple) -> None:
+    b = torch.backends.cuda
+    switches, over, order = state
+    for k, on in zip(_SDP_SWITCHES, switches):
+        getattr(b, f"enable_{k}_sdp")(on)
+    if over is not None:
+        torch._C._set_sdp_use_overrideable(over)
+    if order is not None:
+        torch._C._set_sdp_priority_order(list(order))
+
+
 def is_grad_mode_setter(target: Any) -> bool:
     """Is ``target`` the function Dynamo traces a grad-mode switch (``with torch.no_grad()``) as?"""
     return target is torch._C._set_grad_enabled

@@ -33,6 +33,7 @@ and three callables: :func:`install` (with a policy), :func:`add_lambda_guard` a
 from __future__ import annotations
 
 import functools
+import inspect
 import linecache
 import logging
 import operator
@@ -1347,6 +1348,9 @@ def user_handler(tx: Any, inst: Any) -> Optional[str]:
     manager may swallow exceptions (``contextlib.suppress``), or a call of a function inlined there.
     None: no handler, or only handlers that re-raise (``finally`` bodies, a comprehension's cleanup,
     ``with`` blocks of context managers that never swallow: grad mode, autocast, profiling ...)."""
+    why = _error_state_differs(tx)
+    if why is not None:
+        return why
     where = "it runs in"
     for _ in range(64):
         entry = getattr(inst, "exn_tab_entry", None)
@@ -1363,6 +1367,90 @@ def user_handler(tx: Any, inst: Any) -> Optional[str]:
         if inst is None:
             return "its caller's instruction is unknown"
     return "the handlers nest too deep to follow"
+
+
+_GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
+def _frames(tx: Any) -> list:
+    """The translator of the instruction and those of the frames it is inlined in, innermost first."""
+    out = []
+    while tx is not None and len(out) < 64:
+        out.append(tx)
+        tx = getattr(tx, "parent", None)
+    return out
+
+
+def _open_contexts(tx: Any) -> list:
+    """The context manager variables of the ``with`` blocks open at the instruction being traced,
+    outermost first (the compiled frame's, then those of each inlined call)."""
+    out = []
+    for t in reversed(_frames(tx)):
+        stack = getattr(t, "stack", ())
+        for b in getattr(t, "block_stack", ()):
+            ctx = getattr(b, "with_context", None)
+            k = getattr(b, "stack_index", None)
+            if ctx is None and isinstance(k, int) and 0 < k <= len(stack) \
+                    and type(stack[k - 1]).__name__ == "WithExitFunctionVariable":
+                ctx = getattr(stack[k - 1], "ctx", None)
+            if ctx is not None:
+                out.append(ctx)
+    return out
+
+
+def _is_sdp_setter(target: Any) -> bool:
+    name = getattr(target, "__name__", "")
+    module = getattr(target, "__module__", "") or ""
+    return ((module.startswith("torch.backends.cuda") and name.startswith("enable_") and name.endswith("_sdp"))
+            or name.startswith("_set_sdp"))
+
+
+def _error_state_differs(tx: Any) -> Optional[str]:
+    """Why an error the graph raised here would leave Python in another state than eager's error:
+    eager raises inside a generator (its consumer's handlers, even its frame, unknown at the trace),
+    while another exception is handled (the error's ``__context__``), or where unwinding the open
+    ``with`` blocks leaves grad mode other than the graph's entry mode, which is what nosync
+    restores (Note [Global state when a rewritten read raises]): after a bare
+    ``torch.set_grad_enabled(False)``, under a grad-mode decorator, in inference mode (whose guard
+    an error's traceback keeps alive), after a bare SDP backend switch."""
+    frames = _frames(tx)
+    for t in frames:
+        code = getattr(t, "f_code", None)
+        if code is not None and code.co_flags & _GENERATOR_FLAGS:
+            return (f"it runs in a generator ({code.co_name}), whose consumer (and the handlers around it) the "
+                    "graph's error would not reach")
+        exc = getattr(t, "exn_vt_stack", None)
+        try:
+            handling = exc is not None and len(exc) > 0
+        except TypeError:
+            handling = True
+        if handling:
+            return "it runs while an exception is handled (an except body), whose error the graph's would not chain to"
+    contexts = _open_contexts(tx)
+    if any(type(c).__name__ == "InferenceModeVariable" for c in contexts):
+        return "it runs in an inference_mode block, which the graph's error would leave on"
+    entered = 0
+    for n in tx.output.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(n.target, "__name__", "")
+        if name == "_enter_inference_mode":
+            entered += 1
+        elif name == "_exit_inference_mode":
+            entered -= 1
+        elif _is_sdp_setter(n.target):
+            return "it runs after an SDP backend switch set in the step, which nosync would undo on the graph's error"
+    if entered:
+        return "it runs in inference mode entered in the step, which the graph's error would leave on"
+    grads = [c for c in contexts if type(c).__name__ == "GradModeVariable"]
+    after = bool(grads[0].initial_values[0]) if grads else torch.is_grad_enabled()
+    from ._torch_private import frame_entry_grad_mode
+
+    entry = frame_entry_grad_mode()
+    if entry is None or after != entry:
+        return (f"grad mode after its error would be {after} in eager (a bare set_grad_enabled or a decorator), "
+                f"the graph's entry mode ({entry}) after the graph's error")
+    return None
 
 
 def _same_inst(a: Any, b: Any) -> bool:
@@ -1608,27 +1696,28 @@ def guard_disjoint_storage(read: list, written: list) -> bool:
 
 
 def attribute_written_selects() -> list:
-    """The RewriteUse of each select that got a Python attribute set after the join (``y.tag = i``):
-    eager sets it on the arm's object, which a select is not (and an unused select is not even in
-    the graph the backend sees); of each gathered list row that got one, and of each list read
-    whose list had a tensor get one (Note [Attributes set on a gathered row])."""
+    """The RewriteUse of every select and gathered list row of the graph being compiled when the
+    frame set a Python attribute (or ``.grad``) on any tensor: eager sets it on an object that a
+    select or a gathered row may be (the arm, the list's tensor, reached through any other name: a
+    dict, a tuple copy, an argument), while they are copies without it (and an unused select is not
+    even in the graph the backend sees). Note [Attributes set on a gathered row]."""
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     tx = InstructionTranslator.current_tx()
-    uses = list(getattr(tx.output, "_nosync_attr_written", ())) if tx is not None else []
-    # an attribute (or .grad) set on a list's own tensor: eager's later read of that row is that
-    # tensor, a gathered row a copy without it
-    written = getattr(tx.output, "_nosync_attr_written_sources", None) if tx is not None else None
-    if written:
-        for n in tx.output.graph.nodes:
-            use = n.meta.get(REWRITE_META)
-            if isinstance(use, RewriteUse) and use.form == "list" and any(w.startswith(use.table + "[") for w in written):
-                uses.append(use)
-    for v in (tx.output.side_effects.store_attr_mutations if tx is not None else ()):
-        if getattr(v, "is_tensor", lambda: False)():
-            use = v.as_proxy().node.meta.get(REWRITE_META)
-            if isinstance(use, RewriteUse) and use.form in ("branch", "list"):
-                uses.append(use)
+    if tx is None:
+        return []
+    written = (bool(getattr(tx.output, "_nosync_attr_written", ()))
+               or bool(getattr(tx.output, "_nosync_attr_written_sources", None))
+               or bool(getattr(tx.output, "_nosync_tensor_attr_written", False)))
+    if not written:
+        written = any(getattr(v, "is_tensor", lambda: False)() for v in tx.output.side_effects.store_attr_mutations)
+    if not written:
+        return []
+    uses = list(getattr(tx.output, "_nosync_attr_written", ()))
+    for n in tx.output.graph.nodes:
+        use = n.meta.get(REWRITE_META)
+        if isinstance(use, RewriteUse) and use.form in ("branch", "list") and use not in uses:
+            uses.append(use)
     return uses
 
 
@@ -2024,6 +2113,8 @@ def _make_store_attr_hook(original: Callable) -> Callable:
                 from torch._dynamo.symbolic_convert import InstructionTranslator
 
                 tx = InstructionTranslator.current_tx()
+                if tx is not None:  # any tensor: it may be an arm or a list's tensor under another name
+                    tx.output.__dict__["_nosync_tensor_attr_written"] = True
                 if tx is not None and isinstance(use, RewriteUse) and use.form in ("branch", "list"):
                     tx.output.__dict__.setdefault("_nosync_attr_written", []).append(use)
                 src = _source_name(getattr(item, "source", None))

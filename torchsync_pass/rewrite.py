@@ -285,14 +285,16 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
     """Record the rewrites of ``gm``; refuse (and retrace) any whose row would be observably a copy;
     then gather each stacked span of rows at once (:func:`fuse_gathers`)."""
     graph = gm.graph
-    for use in dynamo_hooks.attribute_written_selects():
-        problem = ("a Python attribute is set on the selected tensor or gathered row (eager sets it on the "
-                   "arm's object or the list's tensor)")
+    written = dynamo_hooks.attribute_written_selects()
+    problem = ("the step sets a Python attribute on a tensor, which eager may set on the arm's object or "
+               "the list's tensor that a select or gathered row copies")
+    for use in written:
         reason = Reason.BRANCH_VALUES if use.form == "branch" else Reason.REWRITE_ALIASED
         with _lock:
             _kept[use.site_key] = (reason, problem)
         _record(use, Action.KEPT, reason, problem, compile_id)
-        dynamo_hooks.restart_analysis(f"nosync: {use.site}: {problem}; keeping the sync")
+    if written:
+        dynamo_hooks.restart_analysis(f"nosync: {written[0].site}: {problem}; keeping the sync")
     rows = [n for n in graph.nodes if _use(n) is not None and n.target is not torch.stack]
     if not rows:
         return
@@ -514,10 +516,12 @@ def dotted(source: str) -> str:
 # graph does not (with ``codegen="eager"`` grad mode stays off for the rest of the process; stock
 # Dynamo's eager backend shares this for any error raised inside such a graph, but stock keeps the
 # read's sync and raises in Python). A graph with a rewrite and such nodes restores, when it
-# raises, the state it found: grad mode and the scaled-dot-product backend switches.
-_SDP_SWITCHES = ("flash", "mem_efficient", "math", "cudnn")
-
-
+# raises, the state it found: grad mode and the scaled-dot-product backend switches (with the
+# overrideable backend and the priority order). That is eager's state after its error only when
+# unwinding the ``with`` blocks open at the read gives the entry state back: a read after a bare
+# ``torch.set_grad_enabled(False)``, under a grad-mode decorator, in inference mode (whose guard the
+# error's traceback would keep alive) or after a bare SDP switch in the step is kept
+# (dynamo_hooks._error_state_differs), as are reads in generators and except bodies.
 def _state_nodes(gm: torch.fx.GraphModule) -> set:
     kinds: set = set()
     for n in gm.graph.nodes:
@@ -528,17 +532,6 @@ def _state_nodes(gm: torch.fx.GraphModule) -> set:
         elif getattr(n.target, "__module__", "") == "torch.nn.attention" and getattr(n.target, "__name__", "") == "_sdpa_kernel":
             kinds.add("sdp")
     return kinds
-
-
-def _sdp_state() -> tuple:
-    b = torch.backends.cuda
-    return tuple(getattr(b, f"{k}_sdp_enabled")() for k in _SDP_SWITCHES)
-
-
-def _set_sdp_state(state: tuple) -> None:
-    b = torch.backends.cuda
-    for k, on in zip(_SDP_SWITCHES, state):
-        getattr(b, f"enable_{k}_sdp")(on)
 
 
 def restore_state_on_error(gm: torch.fx.GraphModule, compiled: Any) -> Any:
@@ -554,13 +547,13 @@ def restore_state_on_error(gm: torch.fx.GraphModule, compiled: Any) -> Any:
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
         grad = torch.is_grad_enabled()
-        state = _sdp_state() if sdp else None
+        state = _torch_private.sdp_state() if sdp else None
         try:
             return compiled(*args)
         except BaseException:
             torch.set_grad_enabled(grad)
             if state is not None:
-                _set_sdp_state(state)
+                _torch_private.set_sdp_state(state)
             raise
 
     return run
