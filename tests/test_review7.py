@@ -243,3 +243,56 @@ def test_an_attribute_set_on_an_arm_after_the_select_keeps_the_branch(fn):
         args = lambda: (torch.ones(2), torch.full((2,), 3.0), torch.tensor([v]))  # noqa: E731
         assert_bitwise(f(*args()), fn(*args()))
     assert not decisions(Action.REWRITTEN)
+
+
+# Review 7b (a second hostile review of the rules above).
+
+
+def read_in_autocast(tab, tok):
+    with torch.autocast("cpu", dtype=torch.float16):
+        return tab[tok + 0] @ torch.ones(2, 2)
+
+
+def read_with_saved_tensor_hooks_disabled(tab, tok):
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+        return tab[tok + 0] * 1
+
+
+def _other_state():
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+            torch._C._autograd._saved_tensors_hooks_is_enabled())
+
+
+@pytest.mark.parametrize("fn", [read_in_autocast, read_with_saved_tensor_hooks_disabled],
+                         ids=["autocast", "saved-tensor-hooks"])
+def test_a_read_in_a_with_block_whose_state_is_not_restored_is_kept(fn):
+    f = compiled(fn)
+    before = _other_state()
+    for tok in (1, 9, 2, 9):
+        want = outcome(fn, TABLE, torch.tensor(tok))
+        assert _other_state() == before
+        got = outcome(f, TABLE, torch.tensor(tok))
+        assert _other_state() == before
+        if isinstance(want, torch.Tensor):
+            assert_bitwise(got, want)
+        else:
+            assert got is want
+    assert not decisions(Action.REWRITTEN)
+
+
+def sets_the_default_dtype(x):
+    torch.set_default_dtype(torch.float64)
+    return x + torch.zeros(2, dtype=torch.float32)
+
+
+def test_a_global_setter_in_the_step_runs_at_every_call():
+    f = compiled(sets_the_default_dtype)
+    try:
+        for _ in range(3):
+            torch.set_default_dtype(torch.float32)
+            want = sets_the_default_dtype(torch.ones(2))
+            torch.set_default_dtype(torch.float32)
+            assert_bitwise(f(torch.ones(2)), want)
+            assert torch.get_default_dtype() is torch.float64
+    finally:
+        torch.set_default_dtype(torch.float32)

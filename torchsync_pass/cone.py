@@ -183,12 +183,18 @@ HIDDEN_WRITTEN_BUFFERS = ("running_mean", "running_var")
 # Graph nodes that change the global state the ops after them run under: ``with torch.no_grad()``,
 # ``torch.enable_grad()``, ``torch.inference_mode()``, ``torch.autocast(...)`` inside the traced
 # code (Dynamo emits them only where the mode changes).
-_GLOBAL_STATE_OPS = ("set_grad_enabled", "inference_mode", "autocast")
+# NOTE: also every other setter of global state a step can call (the default dtype or device,
+# deterministic algorithms, thread counts, matmul precision, SDP backends): ops moved out of the
+# graph would run before it, under the caller's setting (``torch.zeros(2)`` after a
+# ``torch.set_default_dtype(torch.float64)`` in the step), and the setter itself could be moved.
+_GLOBAL_STATE_OPS = ("set_grad_enabled", "inference_mode", "autocast", "set_default_", "deterministic",
+                     "set_num_threads", "set_num_interop_threads", "set_flush_denormal", "matmul_precision",
+                     "_sdp", "set_rng_state", "manual_seed", "seed")
 
 
 def global_state_change(graph: fx.Graph) -> Optional[str]:
-    """The first node of ``graph`` that changes grad mode, inference mode or autocast (its
-    ``file:line``), or None.
+    """The first node of ``graph`` that changes grad mode, inference mode, autocast or another
+    global setting (its ``file:line``), or None.
 
     NOTE: work moved out of the graph (computed once per request, or tabulated) would run under
     the caller's state, not the region's: a tensor computed under ``no_grad`` inside the step would

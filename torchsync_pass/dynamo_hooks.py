@@ -1398,6 +1398,15 @@ def _open_contexts(tx: Any) -> list:
     return out
 
 
+# The ``with`` blocks a read may raise in: their state is restored on the graph's error (grad mode
+# and SDP switches: rewrite.restore_state_on_error) or they leave none behind that a later call sees.
+_STATE_RESTORED_WITH = frozenset({
+    "GradModeVariable", "SDPAKernelVariable", "NullContextVariable", "ProfilerContextVariable",
+    "ProfilerRecordFunctionContextVariable", "RecordFunctionVariable", "FxTracebackAnnotateVariable",
+    "PreserveVersionContextVariable",
+})
+
+
 def _is_sdp_setter(target: Any) -> bool:
     name = getattr(target, "__name__", "")
     module = getattr(target, "__module__", "") or ""
@@ -1427,21 +1436,24 @@ def _error_state_differs(tx: Any) -> Optional[str]:
         if handling:
             return "it runs while an exception is handled (an except body), whose error the graph's would not chain to"
     contexts = _open_contexts(tx)
-    if any(type(c).__name__ == "InferenceModeVariable" for c in contexts):
-        return "it runs in an inference_mode block, which the graph's error would leave on"
-    entered = 0
+    for c in contexts:
+        if type(c).__name__ not in _STATE_RESTORED_WITH:
+            return (f"it runs in a with block ({type(c).__name__}) whose state the graph's error would leave set "
+                    "(nosync restores grad mode and SDP switches only)")
+    entered = {"inference_mode": 0, "autocast": 0}
     for n in tx.output.graph.nodes:
         if n.op != "call_function":
             continue
         name = getattr(n.target, "__name__", "")
-        if name == "_enter_inference_mode":
-            entered += 1
-        elif name == "_exit_inference_mode":
-            entered -= 1
+        if name in ("_enter_inference_mode", "_enter_autocast"):
+            entered[name[len("_enter_"):]] += 1
+        elif name in ("_exit_inference_mode", "_exit_autocast"):
+            entered[name[len("_exit_"):]] -= 1
         elif _is_sdp_setter(n.target):
             return "it runs after an SDP backend switch set in the step, which nosync would undo on the graph's error"
-    if entered:
-        return "it runs in inference mode entered in the step, which the graph's error would leave on"
+    for what, k in entered.items():
+        if k:
+            return f"it runs in {what} entered in the step, which the graph's error would leave on"
     grads = [c for c in contexts if type(c).__name__ == "GradModeVariable"]
     after = bool(grads[0].initial_values[0]) if grads else torch.is_grad_enabled()
     from ._torch_private import frame_entry_grad_mode

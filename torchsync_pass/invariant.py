@@ -175,6 +175,8 @@ def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx
         if symbolic.free_symbols_of(cone._example(n)):
             continue
         ex = cone._example(n)
+        if ex is None or not n.users:
+            continue  # a call for its effect (a setter), not its value: it stays in the step
         if isinstance(ex, torch.Tensor) and getattr(ex, "_version", 0) > 0:
             continue  # belt and braces: written by an op the table does not know
         if all(i in inv for i in n.all_input_nodes):
