@@ -1420,8 +1420,9 @@ def _error_state_differs(tx: Any) -> Optional[str]:
     while another exception is handled (the error's ``__context__``), or where unwinding the open
     ``with`` blocks leaves grad mode other than the graph's entry mode, which is what nosync
     restores (Note [Global state when a rewritten read raises]): after a bare
-    ``torch.set_grad_enabled(False)``, under a grad-mode decorator, in inference mode (whose guard
-    an error's traceback keeps alive), after a bare SDP backend switch."""
+    ``torch.set_grad_enabled(False)``, in a ``with`` block whose state nosync does not restore
+    (inference mode, whose guard an error's traceback keeps alive; autocast; saved-tensor hooks
+    ...), in inference mode or autocast entered in the step, after a bare SDP backend switch."""
     frames = _frames(tx)
     for t in frames:
         code = getattr(t, "f_code", None)
