@@ -1298,19 +1298,24 @@ _INERT = frozenset({"PUSH_EXC_INFO", "POP_EXCEPT", "SWAP", "COPY", "POP_TOP", "N
 _MAX_HANDLER_SCAN = 256
 
 
-def _with_context(tx: Any, target: Any) -> Any:
-    """The context manager variable of the ``with`` block whose exit handler is ``target``: on the
-    frame's block stack, or (an inlined frame's block keeps none) in the exit function the with
-    statement left on the value stack, just below the block's own values)."""
+def _block_context(tx: Any, b: Any) -> Any:
+    """The context manager variable of the block ``b`` of ``tx`` (None for a try block): on the
+    block itself, or (an inlined frame's block keeps none) in the exit function the with statement
+    left on the value stack, just below the block's own values."""
+    if getattr(b, "with_context", None) is not None:
+        return b.with_context
     stack = getattr(tx, "stack", ())
+    k = getattr(b, "stack_index", None)
+    if isinstance(k, int) and 0 < k <= len(stack) and type(stack[k - 1]).__name__ == "WithExitFunctionVariable":
+        return getattr(stack[k - 1], "ctx", None)
+    return None
+
+
+def _with_context(tx: Any, target: Any) -> Any:
+    """The context manager variable of the ``with`` block whose exit handler is ``target``."""
     for b in reversed(getattr(tx, "block_stack", ())):
-        if getattr(b, "target", None) is not target:
-            continue
-        if getattr(b, "with_context", None) is not None:
-            return b.with_context
-        k = getattr(b, "stack_index", None)  # the exit function sits just below the block's stack
-        if isinstance(k, int) and 0 < k <= len(stack) and type(stack[k - 1]).__name__ == "WithExitFunctionVariable":
-            return getattr(stack[k - 1], "ctx", None)
+        if getattr(b, "target", None) is target:
+            return _block_context(tx, b)
     return None
 
 
@@ -1384,18 +1389,8 @@ def _frames(tx: Any) -> list:
 def _open_contexts(tx: Any) -> list:
     """The context manager variables of the ``with`` blocks open at the instruction being traced,
     outermost first (the compiled frame's, then those of each inlined call)."""
-    out = []
-    for t in reversed(_frames(tx)):
-        stack = getattr(t, "stack", ())
-        for b in getattr(t, "block_stack", ()):
-            ctx = getattr(b, "with_context", None)
-            k = getattr(b, "stack_index", None)
-            if ctx is None and isinstance(k, int) and 0 < k <= len(stack) \
-                    and type(stack[k - 1]).__name__ == "WithExitFunctionVariable":
-                ctx = getattr(stack[k - 1], "ctx", None)
-            if ctx is not None:
-                out.append(ctx)
-    return out
+    contexts = (_block_context(t, b) for t in reversed(_frames(tx)) for b in getattr(t, "block_stack", ()))
+    return [c for c in contexts if c is not None]
 
 
 # The ``with`` blocks a read may raise in: their state is restored on the graph's error (grad mode
@@ -1719,11 +1714,9 @@ def attribute_written_selects() -> list:
     tx = InstructionTranslator.current_tx()
     if tx is None:
         return []
-    written = (bool(getattr(tx.output, "_nosync_attr_written", ()))
-               or bool(getattr(tx.output, "_nosync_attr_written_sources", None))
-               or bool(getattr(tx.output, "_nosync_tensor_attr_written", False)))
-    if not written:
-        written = any(getattr(v, "is_tensor", lambda: False)() for v in tx.output.side_effects.store_attr_mutations)
+    # (Dynamo's own record as well, should the hook have missed one)
+    written = getattr(tx.output, "_nosync_tensor_attr_written", False) or any(
+        getattr(v, "is_tensor", lambda: False)() for v in tx.output.side_effects.store_attr_mutations)
     if not written:
         return []
     uses = list(getattr(tx.output, "_nosync_attr_written", ()))
@@ -2128,11 +2121,8 @@ def _make_store_attr_hook(original: Callable) -> Callable:
                 tx = InstructionTranslator.current_tx()
                 if tx is not None:  # any tensor: it may be an arm or a list's tensor under another name
                     tx.output.__dict__["_nosync_tensor_attr_written"] = True
-                if tx is not None and isinstance(use, RewriteUse) and use.form in ("branch", "list"):
-                    tx.output.__dict__.setdefault("_nosync_attr_written", []).append(use)
-                src = _source_name(getattr(item, "source", None))
-                if tx is not None and src is not None:  # a list's own tensor (see attribute_written_selects)
-                    tx.output.__dict__.setdefault("_nosync_attr_written_sources", set()).add(src)
+                    if isinstance(use, RewriteUse) and use.form in ("branch", "list"):
+                        tx.output.__dict__.setdefault("_nosync_attr_written", []).append(use)
         except Exception:  # noqa: BLE001 - never break Dynamo's own store
             log.debug("nosync: attribute-store note failed", exc_info=True)
         return original(self, item, name, value, *args, **kwargs)

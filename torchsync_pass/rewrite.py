@@ -519,9 +519,9 @@ def dotted(source: str) -> str:
 # raises, the state it found: grad mode and the scaled-dot-product backend switches (with the
 # overrideable backend and the priority order). That is eager's state after its error only when
 # unwinding the ``with`` blocks open at the read gives the entry state back: a read after a bare
-# ``torch.set_grad_enabled(False)``, under a grad-mode decorator, in inference mode (whose guard the
-# error's traceback would keep alive) or after a bare SDP switch in the step is kept
-# (dynamo_hooks._error_state_differs), as are reads in generators and except bodies.
+# ``torch.set_grad_enabled(False)``, in a ``with`` block of another state (inference mode, whose
+# guard the error's traceback would keep alive; autocast; ...) or after a bare SDP switch in the
+# step is kept (dynamo_hooks._error_state_differs), as are reads in generators and except bodies.
 def _state_nodes(gm: torch.fx.GraphModule) -> set:
     kinds: set = set()
     for n in gm.graph.nodes:
