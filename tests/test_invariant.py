@@ -6,6 +6,7 @@ is counted with the profiler (the aten ops of the invariant subgraph executed pe
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 import weakref
@@ -449,25 +450,56 @@ class BigSum(nn.Module):
         return x + self.table.sum()
 
 
+@contextlib.contextmanager
+def thread_count_restored():
+    saved = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def skip_unless_threads_change_the_sum(m: BigSum) -> None:
+    sums = {}
+    for n in (2, 1):
+        torch.set_num_threads(n)
+        sums[n] = m.table.sum()
+    if torch.equal(sums[1], sums[2]):
+        pytest.skip("this build sums 2M floats to the same bits with 1 and 2 threads")
+
+
 def test_thread_count_is_checked_per_call_when_dynamos_guards_are_dropped():
     """A 2M-element sum differs in its bits between 1 and 2 threads; the hoisted guard checks the
     thread count, and so must the runner when Dynamo's global-state guard is dropped."""
     m, x = BigSum(), torch.zeros(4)
-    saved = torch.get_num_threads()
-    try:
-        sums = {}
-        for n in (2, 1):
-            torch.set_num_threads(n)
-            sums[n] = m.table.sum()
-        if torch.equal(sums[1], sums[2]):
-            pytest.skip("this build sums 2M floats to the same bits with 1 and 2 threads")
+    with thread_count_restored():
+        skip_unless_threads_change_the_sum(m)
         f = torch.compile(m, backend="nosync", options=drop_all())
         with torch.no_grad():
             for n in (2, 2, 2, 1, 1, 2, 1):
                 torch.set_num_threads(n)
                 assert_bitwise(f(x), m(x))
-    finally:
-        torch.set_num_threads(saved)
+    assert counters["stats"]["unique_graphs"] == 1  # the scenario: no recompile, the runner's own check
+
+
+def test_thread_count_is_checked_at_a_new_request_whose_old_leaves_died():
+    """The runner reuses its last state key at a new request (its last call is forgotten when a
+    leaf of it dies, as between two requests) only while the global state is unchanged: a table
+    the memo holds from a call under another thread count must not be served from that count's
+    memo entry."""
+    m, x = BigSum(), torch.zeros(4)
+    with thread_count_restored():
+        skip_unless_threads_change_the_sum(m)
+        f = torch.compile(m, backend="nosync", options=drop_all())
+        first = m.table
+        with torch.no_grad():
+            torch.set_num_threads(2)
+            assert_bitwise(f(x), m(x))  # memo (2 threads): first
+            m.table = first.clone()
+            assert_bitwise(f(x), m(x))  # memo (2 threads): the clone, first; the last call: the clone
+            torch.set_num_threads(1)
+            m.table = first  # the clone dies: the runner forgets its last call
+            assert_bitwise(f(x), m(x))  # first, under 1 thread: not the 2-thread entry
     assert counters["stats"]["unique_graphs"] == 1  # the scenario: no recompile, the runner's own check
 
 

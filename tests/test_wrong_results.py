@@ -120,6 +120,32 @@ def test_batch_norm_after_the_sync_demotes_the_site(op):
     assert step.graphs == stock.frame_count + 1  # the hoisted graph, then as stock
 
 
+def _positive_step(x, t):
+    if (t > 0).any():
+        x = x + 1.0
+    return x
+
+
+def test_a_site_demoted_after_its_fast_path_took_hold_fails_that_guard_at_once():
+    """The fused guard answers a repeated call (same leaves, same versions) without its checks;
+    a demotion of one of its sites since (by another compile of the frame: a hidden writer, the
+    recompile budget) must still fail it, or the demoted hoisted value keeps being served."""
+    from torch._dynamo.utils import counters
+
+    from torchsync_pass import guards
+
+    f = torch.compile(_positive_step, backend=torchsync_pass.NosyncBackend({"codegen": "eager"}))
+    x, t = torch.zeros(3), torch.ones(3)
+    for _ in range(3):  # the third call takes the fast path
+        assert_bitwise(f(x, t), _positive_step(x, t))
+    states = [s for s in guards._sites.values() if s.code is _positive_step.__code__]
+    assert len(states) == 1 and states[0].demoted is None
+    graphs = counters["stats"]["unique_graphs"]
+    guards._demote(states[0], Reason.HIDDEN_WRITER, "demoted by the test")
+    assert_bitwise(f(x, t), _positive_step(x, t))
+    assert counters["stats"]["unique_graphs"] > graphs  # the guard failed: the frame compiled again, as stock
+
+
 def test_batchnorm_in_eval_mode_is_not_a_writer():
     """Eval mode: the running stats are read only; a sync on the BN output is still hoisted."""
 

@@ -58,6 +58,7 @@ private name                                                     used by
 ``__getstate__``/``__setstate__``, ``torch._C.DisableTorchFunction``
 ``torch._C._is_torch_function_all_disabled``                     :func:`snapshot_for_context`
 ``torch._C.DisableTorchFunction``                                :func:`no_torch_function`
+``torch._C._set_grad_enabled`` (a plain call, no context object)  :func:`set_grad_mode`
 ===============================================================  ==============================
 
 NOTE: :func:`symint_hint` asks ``guarding_hint_or_throw`` only when ``node.hint`` is missing; it
@@ -398,6 +399,12 @@ def frame_entry_state() -> Optional[tuple]:
     except Exception:
         log.debug("nosync: no frame entry state; guards check the thread count only", exc_info=True)
         return None
+
+
+def set_grad_mode(mode: bool) -> None:
+    """Set grad mode: what ``torch.set_grad_enabled(mode)`` does, without building its context
+    object (a hoisted cone runs under ``no_grad`` at every new request)."""
+    torch._C._set_grad_enabled(mode)
 
 
 def no_torch_function() -> Any:

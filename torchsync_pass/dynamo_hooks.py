@@ -388,7 +388,9 @@ class _GuardGroup:
         self.checks: list[Callable[[Any, Any], bool]] = []
         self.descriptions: list[str] = []
         self.emitted: set[int] = set()
-        self.runner: Optional[Callable[[Any, Any], bool]] = None
+        # What the lambda guard calls (``group.run(L, G)``): built on the first call from the
+        # checks installed by then (rebuilt when one is added), ``_fail_guard`` once released.
+        self.run: Callable[[Any, Any], bool] = self._build
         self.ran = threading.local()  # .ok: the guard passed since the graph last ran (this thread)
         self.released = False
         self.managers: list = []  # weak refs to the CheckFunctionManagers that hold this group
@@ -398,15 +400,17 @@ class _GuardGroup:
         """Let go of every check (and what they hold); the guard fails from now on."""
         self.released = True
         self.checks, self.descriptions = [], []
-        self.runner = _fail_guard
+        self.run = _fail_guard
 
     def __call__(self, L: Any, G: Any) -> bool:
-        runner = self.runner
-        if runner is None:
-            runner = self.runner = self._fused()
-        if runner(L, G):
-            self.ran.ok = True
-            return True
+        return self.run(L, G)
+
+    def _build(self, L: Any, G: Any) -> bool:
+        run = self.run = self._fused()
+        return run(L, G)
+
+    def _failed(self) -> bool:
+        """Log why the guard failed (the check that failed recorded it); False."""
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s; hoisted here: %s", self.failure_reason(), "; ".join(self.descriptions))
         return False
@@ -419,6 +423,8 @@ class _GuardGroup:
         return max(marks)[1] if marks else "nosync: a leaf of a hoisted sync no longer resolves"
 
     def _fused(self) -> Callable[[Any, Any], bool]:
+        """The guard's function: True (and the token left, see require_guard) when every check
+        passes; False (logged) otherwise."""
         if self.released:
             return _fail_guard
         # Checks that know how to run together (guards.SiteCheck.fuse) share one leaf lookup and
@@ -427,17 +433,31 @@ class _GuardGroup:
         by_type: dict[type, list] = {}
         for c in self.checks:
             by_type.setdefault(type(c), []).append(c)
+        ran, failed = self.ran, self._failed
+        if len(by_type) == 1:
+            (cls, checks), = by_type.items()
+            fuse = getattr(cls, "fuse", None)
+            if fuse is not None:  # one generated function: it leaves the token itself
+                return fuse(checks, ran, failed)
         runners = []
         for cls, checks in by_type.items():
             fuse = getattr(cls, "fuse", None)
             runners.append(fuse(checks) if fuse is not None else _all_of(checks))
-        return runners[0] if len(runners) == 1 else _all_of(runners)
+
+        def run(L: Any, G: Any) -> bool:
+            for r in runners:
+                if not r(L, G):
+                    return failed()
+            ran.ok = True
+            return True
+
+        return run
 
     def create_fn(self, check: Callable, description: str) -> Callable[[Any, Any], None]:
         def create(builder: Any, guard: Any) -> None:
             self.checks.append(check)
             self.descriptions.append(description)
-            self.runner = None
+            self.run = self._build
             if id(builder) in self.emitted:
                 return
             self.emitted.add(id(builder))
@@ -449,7 +469,7 @@ class _GuardGroup:
             # recompile reason and reports the first string one: the first part asks this group
             # why it failed (a value changed, or a site was demoted); the second is the fallback.
             builder.add_python_lambda_leaf_guard_to_root(
-                [f"{name}(L, G)"],
+                [f"{name}.run(L, G)"],
                 [f"__import__({__name__!r}, fromlist=['_']).failure_reason({id(self)})",
                  f"nosync: a hoisted check failed (first site: {description})"],
                 closure_vars={name: self},
@@ -594,13 +614,18 @@ def shares_storage(these: Any, those: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs for t in these)
 
 
-def leaf_getter(sources: list[str]) -> Callable[[Any, Any], tuple]:
-    """Compile ``lambda L, G: (src1, src2, ...)`` for guard-time leaf lookup."""
+def guard_env() -> dict:
+    """The names Dynamo's guard expressions (a leaf's source, ``L['self']._buffers['b']``) may use,
+    for code generated to evaluate them at guard time (a fresh dict: the caller may add to it)."""
     from torch._dynamo.guards import _get_closure_vars
 
-    env = dict(_get_closure_vars())
+    return dict(_get_closure_vars())
+
+
+def leaf_getter(sources: list[str]) -> Callable[[Any, Any], tuple]:
+    """Compile ``lambda L, G: (src1, src2, ...)`` for guard-time leaf lookup."""
     body = ", ".join(sources) + ("," if sources else "")
-    return eval(f"lambda L, G: ({body})", env)  # noqa: S307 - sources are Dynamo guard expressions
+    return eval(f"lambda L, G: ({body})", guard_env())  # noqa: S307 - sources are Dynamo guard expressions
 
 
 def op_schemas(target: Any, name: str) -> Optional[list]:

@@ -33,6 +33,7 @@ import logging
 import operator
 import struct
 import threading
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -91,7 +92,7 @@ def _hoistable(v: Any, depth: int = 0) -> bool:
 # Memo
 # ----------------------------------------------------------------------------------------------
 # What identifies a leaf's contents without reading them. Written once, as expressions over ``t``:
-# _fingerprints, the memo lookup and the generated fast path (_same_call_fn) all use these.
+# _fingerprints, the memo lookup and the generated fast paths (SiteCheck.fuse, the invariant runner) all use these.
 # Besides version, data pointer, shape, stride and dtype: device, requires_grad and the conjugate
 # and negative bits (``t.data = t.conj()`` keeps all the others; a leaf whose requires_grad flips
 # needs a cached value with its autograd graph), so the memo is never looser than the fast path.
@@ -118,9 +119,20 @@ _VP_VERSIONED = "{t}._version, {t}.data_ptr()"
 _VP_DECLARED = "{t}.is_inference() or {t}._version, {t}.data_ptr()"
 
 
-def fast_key(leaves: tuple, declared: Any) -> tuple:
-    """``(values, check)``: what :func:`same_call_expr` compares the leaves of a later call with."""
-    check = _torch_private.tensor_match(leaves)
+def fast_key(leaves: tuple, declared: Any, previous: Optional[tuple] = None) -> tuple:
+    """``(values, check)``: what :func:`same_call_expr` compares the leaves of a later call with.
+
+    ``previous``, the caller's last key: its metadata check is kept when it passes on these leaves
+    (a new request's tensors usually have the last one's shapes), so the check says exactly what a
+    new one built from them would; building one costs tens of microseconds per new request.
+    """
+    check = previous[1] if previous is not None else None
+    try:
+        reuse = check is not None and check(*leaves) is True
+    except Exception:  # not tensors, or another count: build one (or none) as without a previous key
+        reuse = False
+    if not reuse:
+        check = _torch_private.tensor_match(leaves)
     if check is None:
         return _fingerprints(leaves, declared), None
     values: list = []
@@ -378,8 +390,9 @@ class _Running:
         self.saved_dtype = saved = torch.get_default_dtype()
         if self.dtype is not None and self.dtype is not saved:
             torch.set_default_dtype(self.dtype)
-        self.saved_grad = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)
+        self.saved_grad = grad = torch.is_grad_enabled()
+        if grad:
+            _torch_private.set_grad_mode(False)
         # Dynamo traced the cone through the leaves' __torch_function__ (a subclass's, a mode's):
         # its ops already hold what those did; running them again would apply it twice. (A guard
         # runs so already; decide at trace time and serving.check_request do not.)
@@ -391,7 +404,8 @@ class _Running:
     def __exit__(self, *exc: Any) -> bool:
         self.marker.__exit__()
         self.no_tf.__exit__(None, None, None)
-        torch.set_grad_enabled(self.saved_grad)
+        if self.saved_grad:
+            _torch_private.set_grad_mode(True)
         if self.dtype is not None and self.dtype is not self.saved_dtype:
             torch.set_default_dtype(self.saved_dtype)
         return False
@@ -859,12 +873,15 @@ class SiteCheck:
         self.spec.hits += 1
 
     @staticmethod
-    def fuse(checks: list["SiteCheck"]) -> Callable[[Any, Any], bool]:
+    def fuse(checks: list["SiteCheck"], ran: Any = None, failed: Optional[Callable[[], bool]] = None
+             ) -> Callable[[Any, Any], bool]:
         """One function for all checks of a frame, with a fast path for an unchanged call.
 
         The leaves of every site are read once (a tensor two sites share, once). When they are
         the very objects of the last call that passed, with the same version, data pointer and
         metadata, every check would answer from its memo exactly as then: answer True at once.
+        When the function passes it sets ``ran.ok`` (the guard token, if given); when it fails it
+        returns ``failed()`` (False).
         """
         sources: list[str] = []
         declared: list[bool] = []
@@ -877,78 +894,88 @@ class SiteCheck:
                     declared.append(d)
                 idx.append(sources.index(src))
             plans.append((chk, tuple(idx)))
-        getter = dynamo_hooks.leaf_getter(sources)
-        states = [chk.state for chk in checks]
         n = len(checks)
-        last: list = [None, None, False]  # weak refs, fast_key of the last passing call, booked
+        # [weak refs, fast_key of the last call that passed the full checks, booked, the demotion
+        # epoch when it passed]
+        last: list = [None, None, False, -1]
         # one compile: every check has the same bits_state() and frame entry state
-        threads = checks[0].bits[0]
-        get_num_threads = torch.get_num_threads
         entry = checks[0].entry
-        entry_check = _torch_private.snapshot_for_context(entry).check if entry is not None else None
         precisions = next((c.precisions for c in checks if c.precisions is not None), None)
-        get_precisions = _torch_private.fp32_precisions
-        same_call = _same_call_fn(len(sources), tuple(declared))
         written = checks[0].written  # one compile: every check has the same
+        first = checks[0]
 
-        def run(L: Any, G: Any) -> bool:
-            # (the entry state's check covers the thread count)
-            if ((not entry_check() if entry_check is not None else get_num_threads() != threads)
-                    or (precisions is not None and get_precisions() != precisions)):
-                return checks[0]._fail_state()
-            try:
-                leaves = getter(L, G)
-            except Exception:
-                log.debug("nosync guard: a leaf no longer resolves", exc_info=True)
-                return checks[0]._fail("a leaf no longer resolves")
-            if written.getter is not None and written.alias(L, G, leaves):
-                return checks[0]._fail_aliased()
-            refs = last[0]
-            if refs is not None and same_call(refs, last[1], leaves):
-                for st in states:
-                    if st.demoted is not None:
-                        break
-                else:
-                    if not last[2]:  # first repeat of this call: book it as the checks would
-                        last[2] = True
-                        for chk, _ in plans:
-                            chk.fast_hit()
-                    # NOTE: looked up per call: torch._dynamo.utils.counters.clear() replaces the Counter
-                    counters()["guard_hits"] += n
-                    return True
+        if ran is None:
+            ran = types.SimpleNamespace()
+        if failed is None:
+            failed = _false
+
+        def slow(L: Any, G: Any, leaves: tuple) -> bool:
+            epoch = _DEMOTIONS[0]  # before the checks: a demotion while they run is seen next call
             for chk, idx in plans:
                 if not chk.check_leaves(tuple([leaves[i] for i in idx])):
                     last[0] = None
-                    return False
+                    return failed()
             if not dynamo_hooks.compiling():
-                last[0] = tuple(weakref.ref(t) for t in leaves)
-                last[1] = fast_key(leaves, declared)
+                last[0] = tuple([weakref.ref(t) for t in leaves])
+                last[1] = fast_key(leaves, declared, last[1])
                 last[2] = False
+                last[3] = epoch
+            ran.ok = True
             return True
 
+        def book() -> None:  # the first repeat of a call: book it as the checks would
+            last[2] = True
+            for chk, _ in plans:
+                chk.fast_hit()
+
+        def resolve_failed() -> bool:
+            log.debug("nosync guard: a leaf no longer resolves", exc_info=True)
+            return first._fail("a leaf no longer resolves")
+
+        # Generated straight-line code (this runs on every call of the compiled step): the state
+        # check (the entry state's check covers the thread count), the leaves read once, and the
+        # fast path (the very leaves of the last call that passed, unchanged, and no site demoted
+        # since: every check would answer from its memo exactly as then); anything else runs the
+        # checks one by one (``slow``).
+        names = [f"t{i}" for i in range(len(sources))]
+        state = "not entry_check()" if entry is not None else "get_num_threads() != threads"
+        if precisions is not None:
+            state += " or get_precisions() != precisions"
+        leaves = "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
+        lines = [
+            "def run(L, G):",
+            f"    if {state}:",
+            "        return first._fail_state() or failed()",
+            "    try:",
+            f"        {leaves} = ({', '.join(sources)}{',' if len(sources) == 1 else ''})",
+            "    except Exception:",
+            "        return resolve_failed() or failed()",
+            f"    if written.getter is not None and written.alias(L, G, {leaves}):",
+            "        return first._fail_aliased() or failed()",
+            "    refs = last[0]",
+            "    if (refs is not None and last[3] == demotions[0]",
+            "            and " + same_call_expr(names, declared, "refs", "last[1]") + "):",
+            "        if not last[2]:",
+            "            book()",
+            # NOTE: looked up per call: torch._dynamo.utils.counters.clear() replaces the Counter
+            f"        counters()['guard_hits'] += {n}",
+            "        ran.ok = True",
+            "        return True",
+            f"    return slow(L, G, {leaves})",
+        ]
+        env = dynamo_hooks.guard_env()
+        env.update(first=first, resolve_failed=resolve_failed, ran=ran, failed=failed, written=written, last=last, book=book,
+                   slow=slow, demotions=_DEMOTIONS, counters=counters, threads=checks[0].bits[0],
+                   get_num_threads=torch.get_num_threads, precisions=precisions,
+                   get_precisions=_torch_private.fp32_precisions,
+                   entry_check=(_torch_private.snapshot_for_context(entry).check if entry is not None else None))
+        exec("\n".join(lines), env)  # noqa: S102 - sources are Dynamo guard expressions
+        run = env["run"]
         return run
 
 
-_SAME_CALL: dict = {}
-
-
-def _same_call_fn(n: int, declared: tuple) -> Callable[[tuple, tuple, tuple], bool]:
-    """``same(refs, key, leaves)``: the leaves are the referenced objects, unchanged since
-    ``key = fast_key(leaves, declared)``.
-
-    Generated straight-line code for ``n`` leaves (this runs on every call of a compiled step).
-    """
-    fn = _SAME_CALL.get(declared)
-    if fn is not None:
-        return fn
-    names = [f"t{i}" for i in range(n)]
-    lines = [f"def same(refs, key, leaves):", f"    {', '.join(names)}{',' if n == 1 else ''} = leaves",
-             "    return " + same_call_expr(names, declared, "refs", "key")]
-    env: dict = {}
-    exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
-    fn = env["same"]
-    _SAME_CALL[declared] = fn
-    return fn
+def _false() -> bool:
+    return False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -968,10 +995,14 @@ def _same_call_fn(n: int, declared: tuple) -> Callable[[tuple, tuple, tuple], bo
 # Rules 3-5 spare a site whose leaves are all declared: the user promised they stay fixed.
 MISS_STREAK_DEMOTE = 3
 _budget_frames: set = set()
+# Demotions so far: a guard's fast path answers only while none happened since its checks last
+# passed (every demotion goes through _demote).
+_DEMOTIONS = [0]
 
 
 def _demote(state: SiteState, reason: Reason, detail: str, compile_id: Optional[str] = None) -> Reason:
     state.demoted = reason
+    _DEMOTIONS[0] += 1
     _record(state, Action.DEMOTED, reason, detail, compile_id=compile_id)
     return reason
 

@@ -359,6 +359,10 @@ class InvariantRunner:
         # count, default dtype, ...: _torch_private.global_state_now), the per-backend precisions),
         # what a memo lookup compares, checked by ``call`` without the memo.
         self.last: Optional[tuple] = None
+        # (snapshot check, per-backend precisions, memo state key) of the last miss, and its
+        # fast_key: kept when ``last`` is forgotten (see ``miss``).
+        self.last_state: Optional[tuple] = None
+        self.last_key: Optional[tuple] = None
         # Read the per-backend fp32 precisions on every call only where they can change the bits.
         self.precision_sensitive = precision_sensitive(invariant.graph)
         # NOTE: a GraphModule's generated forward, not the module: nn.Module.__call__ costs
@@ -413,8 +417,18 @@ class InvariantRunner:
             # backward frees, so they are never reused.
             counters()["invariant_computes"] += 1
             return self._compute(leaves)
-        snapshot = _torch_private.global_state_now()
-        state = (grad, bits_state(), torch.get_default_dtype(), _autocast_state())
+        # The state key costs tens of microseconds at a new request: reuse the last one while the
+        # global state is still the one it was taken in (the snapshot's one C++ check covers every
+        # part of it but the per-backend precisions, compared where they change the bits; kept
+        # when the last call is forgotten with its leaves, as between two requests).
+        known = self.last_state
+        if known is not None and known[0]() and (not self.precision_sensitive
+                                                   or known[1] == _torch_private.fp32_precisions()):
+            check, state = known[0], known[2]
+        else:
+            check = _torch_private.global_state_now().check
+            state = (grad, bits_state(), torch.get_default_dtype(), _autocast_state())
+            self.last_state = (check, state[1][-1], state)
         memo = self.memos.get(state)
         if memo is None:
             memo = self.memos[state] = ConeMemo(self.declared, self.size, self._leaf_died)
@@ -428,7 +442,9 @@ class InvariantRunner:
                 return None
             e = memo.store(leaves, None, values)
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
-        self.last = (grad, e.refs, fast_key(leaves, self.declared), e.value, snapshot.check, state[1][-1])
+        previous = self.last[2] if self.last is not None else self.last_key
+        key = self.last_key = fast_key(leaves, self.declared, previous)
+        self.last = (grad, e.refs, key, e.value, check, state[1][-1])
         return e.value
 
 
