@@ -146,6 +146,25 @@ def test_a_site_demoted_after_its_fast_path_took_hold_fails_that_guard_at_once()
     assert counters["stats"]["unique_graphs"] > graphs  # the guard failed: the frame compiled again, as stock
 
 
+def _leafless_step(x):
+    if (torch.arange(4) > 2).any():  # no tensor input at all: a cone with no leaf
+        return x + 1.0
+    return x - 1.0
+
+
+def test_a_hoisted_site_with_no_leaf_is_guarded_without_error():
+    """The fused guard's generated code for zero leaves was a syntax error (``= leaves``): the
+    guard raised, Dynamo asserted on its own fresh entry and compiled the frame again and again."""
+    from torch._dynamo.utils import counters
+
+    f = torch.compile(_leafless_step, backend=torchsync_pass.NosyncBackend({"codegen": "eager"}))
+    x = torch.zeros(3)
+    for _ in range(4):
+        assert_bitwise(f(x), _leafless_step(x))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert [d.reason for d in torchsync_pass.decisions() if d.action is Action.HOISTED]
+
+
 def test_batchnorm_in_eval_mode_is_not_a_writer():
     """Eval mode: the running stats are read only; a sync on the BN output is still hoisted."""
 
@@ -294,6 +313,19 @@ def test_keep_nosync_guards_keeps_the_check_under_a_dropping_filter(guard_filter
     for v in (True, False, True, False):
         flag = torch.tensor([v])
         assert_bitwise(step(x, flag), branch(x, flag))
+
+
+def test_guard_dropped_and_released_by_reset_is_still_refused():
+    """torchsync_pass.reset() without torch._dynamo.reset() releases the checks of a frame whose
+    compiled graph Dynamo still holds; with the guard dropped by a filter, that graph must not
+    start serving its hoisted branch unchecked (it did: no checks left looked like nothing
+    hoisted)."""
+    step = filtered(drop_all)
+    x = torch.zeros(2)
+    assert_bitwise(step(x, torch.tensor([True])), branch(x, torch.tensor([True])))
+    torchsync_pass.reset()
+    with pytest.raises(NosyncError, match="released by torchsync_pass.reset"):
+        step(x, torch.tensor([False]))
 
 
 def test_skip_guard_eval_unsafe_keeps_the_stock_behaviour():

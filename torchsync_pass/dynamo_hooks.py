@@ -393,12 +393,15 @@ class _GuardGroup:
         self.run: Callable[[Any, Any], bool] = self._build
         self.ran = threading.local()  # .ok: the guard passed since the graph last ran (this thread)
         self.released = False
+        self.released_checks = False
         self.managers: list = []  # weak refs to the CheckFunctionManagers that hold this group
         _GROUPS[id(self)] = self
 
     def release(self) -> None:
         """Let go of every check (and what they hold); the guard fails from now on."""
         self.released = True
+        # what require_guard must still refuse to run unguarded: a group that guarded something
+        self.released_checks = self.released_checks or bool(self.checks)
         self.checks, self.descriptions = [], []
         self.run = _fail_guard
 
@@ -513,13 +516,16 @@ def require_guard(compiled: Callable) -> Callable:
 
     def run(*args: Any) -> Any:
         # NOTE: a group whose guards Dynamo rolled back (abandoned speculation) has no checks and
-        # nothing hoisted to protect
-        if not getattr(ran, "ok", False) and group.checks:
+        # nothing hoisted to protect; a released one (torchsync_pass.reset()) has no checks left
+        # either, but still its hoisted values
+        if not getattr(ran, "ok", False) and (group.checks or group.released_checks):
             from .errors import NosyncError
 
+            what = ("; ".join(group.descriptions[:3]) if group.checks
+                    else "its checks were released by torchsync_pass.reset()")
             raise NosyncError(
                 "nosync: a compiled graph ran without its nosync guard, so a hoisted value ("
-                + "; ".join(group.descriptions[:3]) + ") would be used unchecked. A guard_filter_fn "
+                + what + ") would be used unchecked. A guard_filter_fn "
                 "passed in torch.compile(..., options={'guard_filter_fn': ...}) dropped it (or guard "
                 "evaluation was skipped). Keep nosync's guard in the filter with "
                 "torchsync_pass.keep_nosync_guards(your_filter), or compile without nosync."
