@@ -937,38 +937,42 @@ class SiteCheck:
         # fast path (the very leaves of the last call that passed, unchanged, and no site demoted
         # since: every check would answer from its memo exactly as then); anything else runs the
         # checks one by one (``slow``).
-        names = [f"t{i}" for i in range(len(sources))]
-        state = "not entry_check()" if entry is not None else "get_num_threads() != threads"
+        # NOTE: every name the code adds has the prefix: the sources are Dynamo's guard expressions,
+        # evaluated among Dynamo's own guard globals (``guard_env``), which must not be shadowed.
+        p = "_nosync_"
+        names = [f"{p}t{i}" for i in range(len(sources))]
+        state = f"not {p}entry_check()" if entry is not None else f"{p}get_num_threads() != {p}threads"
         if precisions is not None:
-            state += " or get_precisions() != precisions"
+            state += f" or {p}get_precisions() != {p}precisions"
         leaves = "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
         lines = [
             "def run(L, G):",
             f"    if {state}:",
-            "        return first._fail_state() or failed()",
+            f"        return {p}first._fail_state() or {p}failed()",
             "    try:",
             f"        {leaves} = ({', '.join(sources)}{',' if len(sources) == 1 else ''})",
             "    except Exception:",
-            "        return resolve_failed() or failed()",
-            f"    if written.getter is not None and written.alias(L, G, {leaves}):",
-            "        return first._fail_aliased() or failed()",
-            "    refs = last[0]",
-            "    if (refs is not None and last[3] == demotions[0]",
-            "            and " + same_call_expr(names, declared, "refs", "last[1]") + "):",
-            "        if not last[2]:",
-            "            book()",
+            f"        return {p}resolve_failed() or {p}failed()",
+            f"    if {p}written.getter is not None and {p}written.alias(L, G, {leaves}):",
+            f"        return {p}first._fail_aliased() or {p}failed()",
+            f"    {p}refs = {p}last[0]",
+            f"    if ({p}refs is not None and {p}last[3] == {p}demotions[0]",
+            "            and " + same_call_expr(names, declared, f"{p}refs", f"{p}last[1]") + "):",
+            f"        if not {p}last[2]:",
+            f"            {p}book()",
             # NOTE: looked up per call: torch._dynamo.utils.counters.clear() replaces the Counter
-            f"        counters()['guard_hits'] += {n}",
-            "        ran.ok = True",
+            f"        {p}counters()['guard_hits'] += {n}",
+            f"        {p}ran.ok = True",
             "        return True",
-            f"    return slow(L, G, {leaves})",
+            f"    return {p}slow(L, G, {leaves})",
         ]
+        ours = dict(first=first, resolve_failed=resolve_failed, ran=ran, failed=failed, written=written,
+                    last=last, book=book, slow=slow, demotions=_DEMOTIONS, counters=counters,
+                    threads=checks[0].bits[0], get_num_threads=torch.get_num_threads, precisions=precisions,
+                    get_precisions=_torch_private.fp32_precisions,
+                    entry_check=(_torch_private.snapshot_for_context(entry).check if entry is not None else None))
         env = dynamo_hooks.guard_env()
-        env.update(first=first, resolve_failed=resolve_failed, ran=ran, failed=failed, written=written, last=last, book=book,
-                   slow=slow, demotions=_DEMOTIONS, counters=counters, threads=checks[0].bits[0],
-                   get_num_threads=torch.get_num_threads, precisions=precisions,
-                   get_precisions=_torch_private.fp32_precisions,
-                   entry_check=(_torch_private.snapshot_for_context(entry).check if entry is not None else None))
+        env.update({p + k: v for k, v in ours.items()})
         exec("\n".join(lines), env)  # noqa: S102 - sources are Dynamo guard expressions
         run = env["run"]
         return run
