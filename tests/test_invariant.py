@@ -503,6 +503,29 @@ def test_thread_count_is_checked_at_a_new_request_whose_old_leaves_died():
     assert counters["stats"]["unique_graphs"] == 1  # the scenario: no recompile, the runner's own check
 
 
+def test_leaf_written_while_the_invariant_part_runs_is_not_filed_with_the_old_values(monkeypatch):
+    """A write to a leaf that lands while the runner computes (another thread's, simulated here
+    right after the invariant part returns): the memo entry and the fast path's key were taken
+    after the values, so the old values were filed under the new version and served from then on."""
+    m = Masked()
+    x = torch.randn(8, 8)
+    f = compiled(m, EAGER, x)
+    run_both(f, m, x)
+    compute = invariant.InvariantRunner._compute
+
+    def racing(self, leaves):
+        values = compute(self, leaves)
+        with torch.no_grad():
+            m.table.add_(1.0)  # lands between the values and the bookkeeping
+        return values
+
+    new_request(m)
+    monkeypatch.setattr(invariant.InvariantRunner, "_compute", racing)
+    f(x)  # the racing call: eager would have read either version
+    monkeypatch.setattr(invariant.InvariantRunner, "_compute", compute)
+    assert [run_both(f, m, x) for _ in range(2)] == [1, 0]  # the written table: recomputed once
+
+
 def ramp(x):
     return x + torch.linspace(0, 1, 8).cumsum(0)
 

@@ -165,6 +165,37 @@ def test_a_hoisted_site_with_no_leaf_is_guarded_without_error():
     assert [d.reason for d in torchsync_pass.decisions() if d.action is Action.HOISTED]
 
 
+def _mask_step(x, mask):
+    if mask.any():
+        return x + 1.0
+    return x - 1.0
+
+
+def test_leaf_written_while_its_guard_reruns_the_cone_is_not_served_stale(monkeypatch):
+    """A write to a leaf that lands while the guard re-runs its cone (another thread's, simulated
+    right after the cone's value is read): the memo entry and the fast path's key were taken after
+    the value, so every later call with that leaf took the old branch without checking again."""
+    from torchsync_pass import guards
+
+    f = torch.compile(_mask_step, backend=torchsync_pass.NosyncBackend({"codegen": "eager"}))
+    x = torch.zeros(3)
+    for _ in range(2):
+        assert_bitwise(f(x, torch.ones(3, dtype=torch.bool)), _mask_step(x, torch.ones(3, dtype=torch.bool)))
+    mask = torch.ones(3, dtype=torch.bool)  # a new request: the guard re-runs the cone
+    convert = guards._CONVERT["bool"]
+
+    def racing(t):
+        value = convert(t)
+        mask.zero_()  # lands between the value and the bookkeeping
+        return value
+
+    monkeypatch.setitem(guards._CONVERT, "bool", racing)
+    f(x, mask)  # the racing call: eager would have read either value
+    monkeypatch.setitem(guards._CONVERT, "bool", convert)
+    for _ in range(3):
+        assert_bitwise(f(x, mask), _mask_step(x, mask))  # the zeroed mask: x - 1
+
+
 def test_batchnorm_in_eval_mode_is_not_a_writer():
     """Eval mode: the running stats are read only; a sync on the BN output is still hoisted."""
 

@@ -297,10 +297,20 @@ class ConeMemo:
         with self.lock:
             self.entries = [e] + [x for x in self.entries if x is not e]
 
-    def store(self, leaves: tuple, key: Any, value: Any) -> _Entry:
+    def fingerprints(self, leaves: tuple) -> tuple:
+        """What :meth:`store` keys an entry by; take it *before* computing the value (see store)."""
+        return _fingerprints(leaves, self.declared)
+
+    def store(self, leaves: tuple, key: Any, value: Any, fps: Optional[tuple] = None) -> _Entry:
+        """Remember ``value`` for ``leaves`` as they were when ``fps = self.fingerprints(leaves)``
+        was taken, before the value was computed: a write that lands while it is computed (from
+        another thread) then leaves an entry that no later lookup matches, instead of the new
+        version filed with the old value. Without ``fps``, the leaves as they are now."""
         # Once per new request and cone: plain loops, no generators.
         dead = self._leaf_died
-        e = _Entry(tuple([weakref.ref(t, dead) for t in leaves]), _fingerprints(leaves, self.declared), key, value)
+        if fps is None:
+            fps = _fingerprints(leaves, self.declared)
+        e = _Entry(tuple([weakref.ref(t, dead) for t in leaves]), fps, key, value)
         with self.lock:
             live = [e]
             for x in self.entries:
@@ -352,11 +362,12 @@ class ConeState:
         """Run the cone on these leaves: one real sync. Stores the value in the memo."""
         module = self.result.module
         assert module is not None
+        fps = memo.fingerprints(leaves)  # before the value: see ConeMemo.store
         with self.running():
             # NOTE: the generated forward, not nn.Module.__call__ (microseconds per new request)
             value = _CONVERT[self.kind](module.forward(*leaves))
         key = value_key(value)
-        return memo.store(leaves, key, value)
+        return memo.store(leaves, key, value, fps)
 
     def running(self) -> "_Running":
         """The state the cone runs in: no grad, the traced default dtype, syncs booked to the site.
@@ -911,13 +922,21 @@ class SiteCheck:
 
         def slow(L: Any, G: Any, leaves: tuple) -> bool:
             epoch = _DEMOTIONS[0]  # before the checks: a demotion while they run is seen next call
+            # The fast path's key, also taken before the checks: a leaf written while they run
+            # (by another thread) no longer matches it, so the next call checks again.
+            key = None
+            if not dynamo_hooks.compiling():
+                try:
+                    key = fast_key(leaves, declared, last[1])
+                except Exception:  # a leaf without a version (the checks below fail on it)
+                    key = None
             for chk, idx in plans:
                 if not chk.check_leaves(tuple([leaves[i] for i in idx])):
                     last[0] = None
                     return failed()
-            if not dynamo_hooks.compiling():
+            if key is not None:
                 last[0] = tuple([weakref.ref(t) for t in leaves])
-                last[1] = fast_key(leaves, declared, last[1])
+                last[1] = key
                 last[2] = False
                 last[3] = epoch
             ran.ok = True

@@ -229,11 +229,12 @@ class TabulatedOp:
             if len(shared.recent) >= STALE_TABLES and not any(t.hits for t in shared.recent):
                 self._demote()
                 return False, None
+            fps = memo.fingerprints(leaves)  # before the table: see ConeMemo.store
             try:
                 table = self._compute(leaves)
             except TableTooLarge:
                 return False, None
-            entry = memo.store(leaves, None, table)
+            entry = memo.store(leaves, None, table, fps)
             shared.recent = (shared.recent + [table])[-STALE_TABLES:]
             c["table_computes"] += 1
         else:

@@ -432,6 +432,11 @@ class InvariantRunner:
         memo = self.memos.get(state)
         if memo is None:
             memo = self.memos[state] = ConeMemo(self.declared, self.size, self._leaf_died)
+        # The fast path's key and the memo's fingerprints are taken before the values: a leaf
+        # written while they are computed (by another thread) then misses on the next call.
+        previous = self.last[2] if self.last is not None else self.last_key
+        key = self.last_key = fast_key(leaves, self.declared, previous)
+        fps = memo.fingerprints(leaves)
         e = memo.lookup(leaves)
         if e is not None:
             counters()["invariant_hits"] += 1
@@ -440,10 +445,8 @@ class InvariantRunner:
             values = self._compute(leaves)
             if values is None:
                 return None
-            e = memo.store(leaves, None, values)
+            e = memo.store(leaves, None, values, fps)
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
-        previous = self.last[2] if self.last is not None else self.last_key
-        key = self.last_key = fast_key(leaves, self.declared, previous)
         self.last = (grad, e.refs, key, e.value, check, state[1][-1])
         return e.value
 

@@ -159,9 +159,10 @@ class TableConeState(ConeState):
     def evaluate(self, leaves: tuple, memo: ConeMemo) -> Any:
         module, pos = self.result.module, self.result.index_pos
         assert module is not None and pos is not None
+        fps = memo.fingerprints(leaves)  # before the mirror: see ConeMemo.store
         with self.running():
             mirror = evaluate_mirror(module, pos, self.kind, leaves)
-        return memo.store(leaves, None, mirror)
+        return memo.store(leaves, None, mirror, fps)
 
 
 class TableCheck(SiteCheck):
