@@ -526,6 +526,43 @@ def test_leaf_written_while_the_invariant_part_runs_is_not_filed_with_the_old_va
     assert [run_both(f, m, x) for _ in range(2)] == [1, 0]  # the written table: recomputed once
 
 
+RANDOM_ON_A_BUFFER = {
+    "dropout1d": lambda b: torch.nn.functional.dropout1d(b.flatten(2), p=0.5, training=True),
+    "dropout2d": lambda b: torch.nn.functional.dropout2d(b, p=0.5, training=True),
+    "dropout3d": lambda b: torch.nn.functional.dropout3d(b, p=0.5, training=True),
+    "fractional_max_pool2d": lambda b: torch.nn.functional.fractional_max_pool2d(b, 2, output_size=(3, 3)),
+    "sdpa-dropout": lambda b: torch.nn.functional.scaled_dot_product_attention(b, b, b, dropout_p=0.5),
+    "gumbel_softmax": lambda b: torch.nn.functional.gumbel_softmax(b, tau=1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_ON_A_BUFFER))
+def test_random_ops_on_a_buffer_are_never_cached(name):
+    """Random ops whose names the random-op pattern missed (dropout2d, fractional pooling,
+    attention with dropout, Gumbel noise) were cached: the first call's draw replayed under every
+    later seed, and the draws missing from the RNG stream shifted every later random number."""
+    op = RANDOM_ON_A_BUFFER[name]
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("b", torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self, x):
+            return x * op(self.b)
+
+    m, x = Noisy(), torch.ones(1)
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    with torch.no_grad():
+        for seed in (0, 1, 2):
+            torch.manual_seed(seed)
+            out, after = f(x), torch.rand(1)
+            torch.manual_seed(seed)
+            assert_bitwise(out, m(x))
+            assert_bitwise(after, torch.rand(1))  # the same draws, in the same order
+    assert not cached_decisions()
+
+
 def ramp(x):
     return x + torch.linspace(0, 1, 8).cumsum(0)
 

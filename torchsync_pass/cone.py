@@ -56,6 +56,11 @@ _RANDOM_RE = re.compile(
     r"exponential|cauchy|geometric|log_normal|dropout|alpha_dropout|feature_alpha_dropout|"
     r"rrelu|random|seed|manual_seed|get_rng_state|set_rng_state)(_|$|_like$)"
 )
+# Random ops the pattern above cannot spell, found anywhere in the name: every dropout variant
+# (dropout1d/2d/3d, feature_dropout, native_dropout, ...), fractional max pooling (random regions),
+# Gumbel noise; and attention, random unless its dropout_p is a literal 0 (see is_random).
+_RANDOM_ANYWHERE = re.compile(r"dropout|fractional_max_pool|gumbel")
+_ATTENTION_RE = re.compile(r"scaled_dot_product_attention$")
 _INPLACE_OPERATORS = {operator.setitem} | {  # x[i] = v, and x += y, x -= y, ...
     getattr(operator, "i" + op) for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
                                            "and", "or", "xor", "lshift", "rshift", "matmul")
@@ -125,7 +130,13 @@ def is_random(node: fx.Node) -> bool:
     if _torch_private.is_op_packet(t):
         if any(torch.Tag.nondeterministic_seeded in getattr(t, o).tags for o in t.overloads()):
             return True
-    return bool(_RANDOM_RE.search(_target_name(node)))
+    name = _target_name(node)
+    if _RANDOM_RE.search(name) or _RANDOM_ANYWHERE.search(name):
+        return True
+    if _ATTENTION_RE.search(name):  # F.scaled_dot_product_attention(q, k, v, mask, dropout_p, ...)
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return not (type(p) in (int, float) and p == 0)
+    return False
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:
