@@ -563,6 +563,36 @@ def test_random_ops_on_a_buffer_are_never_cached(name):
     assert not cached_decisions()
 
 
+def test_byte_limit_bounds_the_runner_across_global_states():
+    """One memo per global state, each filled to the limit: four states held four times the
+    bytes the option allows."""
+    class Cum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("t", torch.randn(1024))  # 4096 bytes cached per request
+
+        def forward(self, x):
+            return x * self.t.cumsum(0)
+
+    def runners() -> list:
+        return [o for o in gc.get_objects() if type(o) is invariant.InvariantRunner]
+
+    before = {id(r) for r in runners()}
+    m, x = Cum(), torch.randn(1024)
+    keep = torchsync_pass.keep_nosync_guards(torch.compiler.skip_all_guards_unsafe)
+    f = torch.compile(m, backend="nosync", options={**EAGER, "invariant_cache_bytes": 4096, "guard_filter_fn": keep})
+    with thread_count_restored():
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for grad in (False, True):
+                with torch.set_grad_enabled(grad):
+                    for _ in range(2):
+                        assert_bitwise(f(x), m(x))
+    (runner,) = [r for r in runners() if id(r) not in before]
+    held = sum(v.nbytes for memo in runner.memos.values() for e in memo.entries for v in e.value)
+    assert 0 < held <= 4096
+
+
 def ramp(x):
     return x + torch.linspace(0, 1, 8).cumsum(0)
 

@@ -431,7 +431,10 @@ class InvariantRunner:
             self.last_state = (check, state[1][-1], state)
         memo = self.memos.get(state)
         if memo is None:
-            memo = self.memos[state] = ConeMemo(self.declared, self.size, self._leaf_died)
+            # One state's memo at a time: the byte limit bounds the runner's cached tensors as a
+            # whole (a switch of grad mode, thread count, ... recomputes on the way back).
+            memo = ConeMemo(self.declared, self.size, self._leaf_died)
+            self.memos, self.last = {state: memo}, None
         # The fast path's key and the memo's fingerprints are taken before the values: a leaf
         # written while they are computed (by another thread) then misses on the next call.
         previous = self.last[2] if self.last is not None else self.last_key
