@@ -593,6 +593,33 @@ def test_byte_limit_bounds_the_runner_across_global_states():
     assert 0 < held <= 4096
 
 
+class ConvOfBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("w", torch.randn(16, 8, 3, 3, generator=g))
+        self.register_buffer("img", torch.randn(2, 8, 32, 32, generator=g))
+
+    def forward(self, x):
+        return x + torch.nn.functional.conv2d(self.img, self.w).sum()
+
+
+def test_mkldnn_switch_is_part_of_the_cached_state():
+    """``torch.backends.mkldnn.enabled`` picks the convolution kernel (other bits), and Dynamo's
+    global-state guard does not cover it: the tensor cached with mkldnn on was served with it off."""
+    m, x = ConvOfBuffers(), torch.randn(4)
+    with torch.no_grad():
+        with torch.backends.mkldnn.flags(enabled=False):
+            off = m(x)
+        if not torch.backends.mkldnn.is_available() or torch.equal(off, m(x)):
+            pytest.skip("this build computes the convolution to the same bits with mkldnn on and off")
+        f = torch.compile(m, backend="nosync", options=EAGER)
+        for enabled in (True, True, False, False, True):
+            with torch.backends.mkldnn.flags(enabled=enabled):
+                assert_bitwise(f(x), m(x))
+    assert cached_decisions()
+
+
 def ramp(x):
     return x + torch.linspace(0, 1, 8).cumsum(0)
 

@@ -53,6 +53,8 @@ private name                                                     used by
 ``torch._C.TensorBase.__getitem__``; CPython's type layout       :func:`keep_tensors_non_sequences`
 (``PyTypeObject.tp_as_sequence->sq_item``, through ctypes)
 ``torch._C._get_fp32_precision_getter`` (() where missing)       :func:`fp32_precisions`
+``torch._C._get_mkldnn_enabled``, ``_get_cudnn_enabled``, ...    :func:`fp32_precisions`
+(the kernel switches, each where present)
 ``torch._C._dynamo.guards.GlobalStateGuard`` (Python fallback)   :func:`global_state_now`
 ``torch._dynamo.convert_frame.initial_global_state``, its JSON   :func:`frame_entry_state`
 ``__getstate__``/``__setstate__``, ``torch._C.DisableTorchFunction``
@@ -306,15 +308,23 @@ def _fp32_precisions_fn() -> Callable[[], tuple]:
         except Exception:  # not a pair this torch knows ("Invalid (backend, op) pair", "Unknown backend")
             continue
         pairs.append((b, o))
-    if not pairs:
+    calls = [f"get({b!r}, {o!r})" for b, o in pairs]
+    # The backend switches that pick a convolution or matmul kernel (and so its bits) without being
+    # a precision: ``torch.backends.mkldnn.enabled``, ``torch.backends.cudnn.enabled``, ``allow_tf32``,
+    # ``benchmark``, ``deterministic``. Dynamo's global-state guard covers none of them.
+    switches = {n: getattr(torch._C, n) for n in _KERNEL_SWITCHES if callable(getattr(torch._C, n, None))}
+    calls += [f"{n}()" for n in switches]
+    if not calls:
         return tuple
     # one straight-line tuple of C calls: this runs per call where a cone or cached tensor does a matmul
-    body = ", ".join(f"get({b!r}, {o!r})" for b, o in pairs)
-    return eval(f"lambda: ({body},)", {"get": get})  # noqa: S307 - generated from constant names
+    return eval(f"lambda: ({', '.join(calls)},)", {"get": get, **switches})  # noqa: S307 - constant names
 
 
+_KERNEL_SWITCHES = ("_get_mkldnn_enabled", "_get_mkldnn_deterministic", "_get_cudnn_enabled",
+                    "_get_cudnn_allow_tf32", "_get_cudnn_benchmark", "_get_cudnn_deterministic")
 fp32_precisions: Callable[[], tuple] = _fp32_precisions_fn()
-fp32_precisions.__doc__ = "The per-backend fp32 precision settings, one string per (backend, op) this torch has."
+fp32_precisions.__doc__ = ("The per-backend fp32 precision settings, one string per (backend, op) this torch "
+                           "has, then the backend switches that pick a convolution or matmul kernel.")
 
 # What :func:`float32_matmul_precision` answers when the legacy and per-backend APIs were mixed.
 MIXED_PRECISION = "mixed legacy and per-backend settings"
