@@ -234,6 +234,48 @@ def test_check_request_on_a_function():
     assert check_request(serve_step, x, a).ok  # the original function names the same frame
 
 
+def _two_tests(x, a, b):
+    y = x + 1 if a.any() else x - 1
+    return y * 2 if b.any() else y * 3
+
+
+def test_check_request_wants_one_entry_with_the_whole_combination():
+    """Entries compiled for (True, True) and (False, False); a request (True, False) matched some
+    entry at each site, and check_request said no recompile. One entry must pass all its checks."""
+    from torch._dynamo.utils import counters
+
+    c = torch.compile(_two_tests, backend="nosync", options={"codegen": "eager", "select_branches": False})
+    x = torch.ones(2)
+    keep = [torch.tensor([v]) for v in (True, True, False, False)]  # the compiled requests stay alive
+    c(x, keep[0], keep[1])
+    c(x, keep[2], keep[3])
+    a, b = torch.tensor([True]), torch.tensor([False])
+    report = torchsync_pass.check_request(c, x, a, b, on_change="report")
+    assert not report.ok and "different cache entries" in report.changed[0].why
+    graphs = counters["stats"]["unique_graphs"]
+    assert_bitwise(c(x, a, b), _two_tests(x, a, b))
+    assert counters["stats"]["unique_graphs"] > graphs  # what it predicted
+    assert torchsync_pass.check_request(c, x, keep[0], keep[1], on_change="report").ok  # one entry: ok
+
+
+def _writes_its_buffer(buf, w):
+    buf.mul_(-1)
+    if w.sum() > 0:
+        return buf + 1
+    return buf - 1
+
+
+def test_check_request_sees_a_written_argument_that_aliases_a_leaf():
+    """The guard refuses a call whose written argument shares memory with a hoisted leaf (the
+    call recompiles); check_request skipped that check and said no recompile."""
+    c = torch.compile(_writes_its_buffer, backend="nosync", options={"codegen": "eager"})
+    c(torch.zeros(2), torch.ones(2))
+    t = torch.ones(2)
+    report = torchsync_pass.check_request(c, t.view(-1), t, on_change="report")
+    assert not report.ok and "shares memory" in report.changed[0].why
+    assert torchsync_pass.check_request(c, torch.zeros(2), torch.ones(2), on_change="report").ok
+
+
 def test_check_request_on_a_module_and_reset():
     from torchsync_pass import check_request, guards
 

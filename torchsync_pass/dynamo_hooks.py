@@ -548,6 +548,18 @@ def _fail_guard(L: Any, G: Any) -> bool:
 _GROUPS: "weakref.WeakValueDictionary[int, _GuardGroup]" = weakref.WeakValueDictionary()
 
 
+def entries_of(checks: list) -> list[list]:
+    """``checks`` grouped by the cache entry (the guard group) each belongs to: what one entry
+    needs to pass at once. A check in no live group is left out."""
+    ids = {id(c) for c in checks}
+    out = []
+    for group in list(_GROUPS.values()):
+        members = [c for c in group.checks if id(c) in ids]
+        if members:
+            out.append(members)
+    return out
+
+
 def release_guards() -> None:
     """Release every nosync guard installed so far (see Note [Guards outlive torch._dynamo.reset()])."""
     for group in list(_GROUPS.values()):

@@ -327,6 +327,8 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
 
 def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
     bits = guards.bits_state()  # the value under today's global state (thread count, ...)
+    changes = len(report.changed)
+    current: dict[int, tuple] = {}  # id(cone) -> (value key, value, leaves) for this request
     by_cone: dict[int, list] = {}
     for chk in checks:  # several cache entries (specs) share one cone and its memo
         by_cone.setdefault(id(chk.cone), []).append(chk)
@@ -367,9 +369,44 @@ def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
             continue
         entry, synced = cone.current(tuple(leaves), cone.memo_for(bits))
         report.syncs += int(synced)
+        current[id(cone)] = (entry.key, entry.value, tuple(leaves))
         if entry.key not in specs:
             report.changed.append(Change(chk.state.site, chk.state.source, entry.value,
                                          tuple(s.value for s in specs.values())))
+    if len(report.changed) == changes:
+        _check_one_entry_serves(checks, current, fr, report)
+
+
+def _check_one_entry_serves(checks: list, current: dict, fr: _Frame, report: RequestCheck) -> None:
+    """Every value matched some compiled entry's; the call needs *one* entry that all its checks
+    pass at once: values compiled in different entries, or an argument the entry's graph writes
+    that shares memory with a hoisted leaf on this call (what the guard refuses), recompile."""
+    entries = dynamo_hooks.entries_of(checks)
+    aliased = False
+    for members in entries:
+        if any(c.state_changed() or id(c.cone) not in current or current[id(c.cone)][0] != c.spec.key
+               for c in members):
+            continue
+        written = members[0].written  # one compile: every check of an entry has the same
+        leaves = tuple(t for c in members for t in current[id(c.cone)][2])
+        try:
+            if written.getter is not None and written.alias(fr.L, fr.G, leaves):
+                aliased = True
+                continue
+        except Exception:  # cannot tell: the guard would fail too
+            aliased = True
+            continue
+        return
+    if not entries:
+        return
+    chk = entries[0][0]
+    why = ("an argument the compiled graph writes in place shares memory with a hoisted leaf on "
+           "this call: the guard refuses it, so the call recompiles" if aliased else
+           "each value was compiled, but in different cache entries: no one entry has this "
+           "combination (" + ", ".join(f"{c.state.site}: {current[id(c.cone)][1]!r}" for c in entries[0]
+                                       if id(c.cone) in current) + "), so the call recompiles")
+    report.changed.append(Change(chk.state.site, chk.state.source, current.get(id(chk.cone), (None, None))[1],
+                                 tuple(m[0].spec.value for m in entries), why=why))
 
 
 def _unreadable(sources: list[str], fr: _Frame) -> str:
