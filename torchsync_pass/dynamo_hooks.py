@@ -445,7 +445,8 @@ class _GuardGroup:
         runners = []
         for cls, checks in by_type.items():
             fuse = getattr(cls, "fuse", None)
-            runners.append(fuse(checks) if fuse is not None else _all_of(checks))
+            # (each part's own token and failure go nowhere: ``run`` below leaves the token)
+            runners.append(fuse(checks, types.SimpleNamespace(), _false) if fuse is not None else _all_of(checks))
 
         def run(L: Any, G: Any) -> bool:
             for r in runners:
@@ -536,6 +537,10 @@ def require_guard(compiled: Callable) -> Callable:
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
     return run
 def _fail_guard(L: Any, G: Any) -> bool:
+    return False
+
+
+def _false() -> bool:
     return False
 
 

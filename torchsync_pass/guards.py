@@ -33,7 +33,6 @@ import logging
 import operator
 import struct
 import threading
-import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -92,7 +91,8 @@ def _hoistable(v: Any, depth: int = 0) -> bool:
 # Memo
 # ----------------------------------------------------------------------------------------------
 # What identifies a leaf's contents without reading them. Written once, as expressions over ``t``:
-# _fingerprints, the memo lookup and the generated fast paths (SiteCheck.fuse, the invariant runner) all use these.
+# _fingerprints, the memo lookup and the generated fast paths (SiteCheck.fuse, the invariant
+# runner) all use these.
 # Besides version, data pointer, shape, stride and dtype: device, requires_grad and the conjugate
 # and negative bits (``t.data = t.conj()`` keeps all the others; a leaf whose requires_grad flips
 # needs a cached value with its autograd graph), so the memo is never looser than the fast path.
@@ -885,15 +885,14 @@ class SiteCheck:
         self.spec.hits += 1
 
     @staticmethod
-    def fuse(checks: list["SiteCheck"], ran: Any = None, failed: Optional[Callable[[], bool]] = None
-             ) -> Callable[[Any, Any], bool]:
+    def fuse(checks: list["SiteCheck"], ran: Any, failed: Callable[[], bool]) -> Callable[[Any, Any], bool]:
         """One function for all checks of a frame, with a fast path for an unchanged call.
 
         The leaves of every site are read once (a tensor two sites share, once). When they are
         the very objects of the last call that passed, with the same version, data pointer and
         metadata, every check would answer from its memo exactly as then: answer True at once.
-        When the function passes it sets ``ran.ok`` (the guard token, if given); when it fails it
-        returns ``failed()`` (False).
+        When the function passes it sets ``ran.ok`` (the guard token); when it fails it returns
+        ``failed()`` (False).
         """
         sources: list[str] = []
         declared: list[bool] = []
@@ -915,11 +914,6 @@ class SiteCheck:
         precisions = next((c.precisions for c in checks if c.precisions is not None), None)
         written = checks[0].written  # one compile: every check has the same
         first = checks[0]
-
-        if ran is None:
-            ran = types.SimpleNamespace()
-        if failed is None:
-            failed = _false
 
         def slow(L: Any, G: Any, leaves: tuple) -> bool:
             epoch = _DEMOTIONS[0]  # before the checks: a demotion while they run is seen next call
@@ -996,10 +990,6 @@ class SiteCheck:
         exec("\n".join(lines), env)  # noqa: S102 - sources are Dynamo guard expressions
         run = env["run"]
         return run
-
-
-def _false() -> bool:
-    return False
 
 
 # ----------------------------------------------------------------------------------------------
