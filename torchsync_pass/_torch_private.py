@@ -309,19 +309,41 @@ def _fp32_precisions_fn() -> Callable[[], tuple]:
             continue
         pairs.append((b, o))
     calls = [f"get({b!r}, {o!r})" for b, o in pairs]
-    # The backend switches that pick a convolution or matmul kernel (and so its bits) without being
-    # a precision: ``torch.backends.mkldnn.enabled``, ``torch.backends.cudnn.enabled``, ``allow_tf32``,
-    # ``benchmark``, ``deterministic``. Dynamo's global-state guard covers none of them.
-    switches = {n: getattr(torch._C, n) for n in _KERNEL_SWITCHES if callable(getattr(torch._C, n, None))}
-    calls += [f"{n}()" for n in switches]
+    # The backend switches that pick a convolution, matmul or attention kernel (and so its bits)
+    # without being a precision (_KERNEL_SWITCHES). Dynamo's global-state guard covers none of them.
+    switches = {}
+    for n in _KERNEL_SWITCHES:
+        fn = getattr(torch._C, n, None)
+        try:
+            v = fn() if callable(fn) else None
+        except Exception:  # not a getter of this torch build (or one that needs an argument here)
+            continue
+        if callable(fn):
+            switches[n] = fn
+            # a list (the SDPA priority order) becomes a tuple: the state is a dict key
+            calls.append(f"tuple({n}())" if isinstance(v, list) else f"{n}()")
     if not calls:
         return tuple
     # one straight-line tuple of C calls: this runs per call where a cone or cached tensor does a matmul
     return eval(f"lambda: ({', '.join(calls)},)", {"get": get, **switches})  # noqa: S307 - constant names
 
 
-_KERNEL_SWITCHES = ("_get_mkldnn_enabled", "_get_mkldnn_deterministic", "_get_cudnn_enabled",
-                    "_get_cudnn_allow_tf32", "_get_cudnn_benchmark", "_get_cudnn_deterministic")
+# ``torch.backends.mkldnn.enabled``/``deterministic``, ``torch.backends.cudnn.enabled``/``allow_tf32``/
+# ``benchmark``/``deterministic``, ``torch.backends.nnpack`` (CPU convolutions), the attention kernels
+# ``torch.nn.attention.sdpa_kernel`` and ``torch.backends.cuda.enable_*_sdp`` choose from, their
+# priority order and the math kernel's fp16/bf16 reduction, the reduced-precision switches of
+# CPU and cuBLAS gemms, the preferred BLAS/linalg/ROCm flash-attention backends, the quantized
+# engine, and deterministic's fill of uninitialized memory. A getter this torch lacks is skipped.
+_KERNEL_SWITCHES = (
+    "_get_mkldnn_enabled", "_get_mkldnn_deterministic", "_get_cudnn_enabled", "_get_cudnn_allow_tf32",
+    "_get_cudnn_benchmark", "_get_cudnn_deterministic", "_get_nnpack_enabled",
+    "_get_flash_sdp_enabled", "_get_math_sdp_enabled", "_get_mem_efficient_sdp_enabled",
+    "_get_cudnn_sdp_enabled", "_get_overrideable_sdp_enabled", "_get_fa3_sdp_enabled",
+    "_get_sdp_priority_order", "_get_math_sdp_allow_fp16_bf16_reduction",
+    "_get_cpu_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_fp16_accumulation",
+    "_get_blas_preferred_backend", "_get_linalg_preferred_backend", "_get_rocm_fa_preferred_backend",
+    "_get_qengine", "_get_deterministic_fill_uninitialized_memory",
+)
 fp32_precisions: Callable[[], tuple] = _fp32_precisions_fn()
 fp32_precisions.__doc__ = ("The per-backend fp32 precision settings, one string per (backend, op) this torch "
                            "has, then the backend switches that pick a convolution or matmul kernel.")

@@ -868,8 +868,9 @@ class SiteCheck:
         snapshot = _torch_private.snapshot_for_context(entry) if entry is not None else None
         if snapshot is not None and not snapshot.check():
             return f"the global state changed ({snapshot.reason().strip() or 'grad mode, autocast, ...'})"
-        return ("a per-backend fp32_precision setting or a kernel switch (mkldnn/cudnn enabled, "
-                f"cudnn allow_tf32/benchmark/deterministic) changed (now {_torch_private.fp32_precisions()})")
+        return ("a per-backend fp32_precision setting or a kernel switch (mkldnn/cudnn/nnpack enabled, "
+                "cudnn allow_tf32/benchmark/deterministic, the SDPA kernels, ...) changed "
+                f"(now {_torch_private.fp32_precisions()})")
 
     def _fail_aliased(self) -> bool:
         return self._fail("an argument the graph writes in place shares memory with a hoisted leaf")
