@@ -533,13 +533,23 @@ RANDOM_ON_A_BUFFER = {
     "fractional_max_pool2d": lambda b: torch.nn.functional.fractional_max_pool2d(b, 2, output_size=(3, 3)),
     "sdpa-dropout": lambda b: torch.nn.functional.scaled_dot_product_attention(b, b, b, dropout_p=0.5),
     "gumbel_softmax": lambda b: torch.nn.functional.gumbel_softmax(b, tau=1.0),
+    # torch builtins whose aten op is seeded but whose name no pattern spells
+    "binomial": lambda b: torch.binomial(torch.full_like(b, 10.0), b.sigmoid()),
+    "rnn_tanh-dropout": lambda b: torch.rnn_tanh(
+        b.flatten(2), b.new_zeros(2, 4, 3), [b.new_ones(3, 36) * 0.01] + [b.new_ones(3, 3) * 0.01] * 3,
+        False, 2, 0.5, True, False, False)[0],
 }
+
+
+# the deterministic work on the buffer that feeds the draw (the counts, the weights) is cached
+RANDOM_OF_CACHED_INPUTS = {"binomial", "rnn_tanh-dropout"}
 
 
 @pytest.mark.parametrize("name", sorted(RANDOM_ON_A_BUFFER))
 def test_random_ops_on_a_buffer_are_never_cached(name):
     """Random ops whose names the random-op pattern missed (dropout2d, fractional pooling,
-    attention with dropout, Gumbel noise) were cached: the first call's draw replayed under every
+    attention with dropout, Gumbel noise, torch.binomial, an RNN with dropout) were cached: the
+    first call's draw replayed under every
     later seed, and the draws missing from the RNG stream shifted every later random number."""
     op = RANDOM_ON_A_BUFFER[name]
 
@@ -560,7 +570,8 @@ def test_random_ops_on_a_buffer_are_never_cached(name):
             torch.manual_seed(seed)
             assert_bitwise(out, m(x))
             assert_bitwise(after, torch.rand(1))  # the same draws, in the same order
-    assert not cached_decisions()
+    if name not in RANDOM_OF_CACHED_INPUTS:
+        assert not cached_decisions()
 
 
 def test_byte_limit_bounds_the_runner_across_global_states():
@@ -594,11 +605,11 @@ def test_byte_limit_bounds_the_runner_across_global_states():
 
 
 class ConvOfBuffers(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, batch: int = 2) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.register_buffer("w", torch.randn(16, 8, 3, 3, generator=g))
-        self.register_buffer("img", torch.randn(2, 8, 32, 32, generator=g))
+        self.register_buffer("img", torch.randn(batch, 8, 32, 32, generator=g))
 
     def forward(self, x):
         return x + torch.nn.functional.conv2d(self.img, self.w).sum()
@@ -618,6 +629,80 @@ def test_mkldnn_switch_is_part_of_the_cached_state():
             with torch.backends.mkldnn.flags(enabled=enabled):
                 assert_bitwise(f(x), m(x))
     assert cached_decisions()
+
+
+class AttentionOfBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        for n in "qkv":
+            self.register_buffer(n, torch.randn(1, 2, 64, 32, generator=g))
+
+    def forward(self, x):
+        return x + torch.nn.functional.scaled_dot_product_attention(self.q, self.k, self.v)
+
+
+def _sdpa_math_only():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+class _NnpackOff:
+    """``torch.backends.nnpack.flags(enabled=False)`` with mkldnn off (NNPACK is then the CPU
+    convolution kernel when the build has it)."""
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
+        self.stack.enter_context(torch.backends.nnpack.flags(enabled=False))
+
+    def __exit__(self, *exc):
+        self.stack.close()
+
+
+@pytest.mark.parametrize("switch", ["sdpa_kernel", "nnpack"])
+def test_kernel_switches_are_part_of_the_cached_state(switch):
+    """``torch.nn.attention.sdpa_kernel`` (the attention kernel) and ``torch.backends.nnpack`` (the
+    CPU convolution kernel) change the bits, and Dynamo's global-state guard covers neither: the
+    tensor cached under one kernel was served under the other."""
+    if switch == "sdpa_kernel":
+        m, x, off, on = AttentionOfBuffers(), torch.zeros(1), _sdpa_math_only, contextlib.nullcontext
+    else:  # NNPACK takes a batch of 16 or more
+        m, x, on = ConvOfBuffers(batch=16), torch.randn(4), lambda: torch.backends.mkldnn.flags(enabled=False)
+        off = _NnpackOff
+    with torch.no_grad():
+        with off():
+            other = m(x)
+        with on():
+            if torch.equal(other, m(x)):
+                pytest.skip(f"this build computes the same bits with {switch} on and off")
+        f = torch.compile(m, backend="nosync", options=EAGER)
+        for ctx in (on, on, off, off, on):
+            with ctx():
+                assert_bitwise(f(x), m(x))
+    assert cached_decisions()
+
+
+def test_kernel_switch_is_checked_by_the_guard_of_a_hoisted_value():
+    """The guard of a hoisted ``.item()`` over attention answered from the value it computed with
+    the flash kernel inside ``sdpa_kernel(MATH)`` at the call site."""
+    m = AttentionOfBuffers()
+
+    def step(x):
+        return x + torch.nn.functional.scaled_dot_product_attention(m.q, m.k, m.v).sum().item()
+
+    x = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        with _sdpa_math_only():
+            other = step(x)
+        if torch.equal(other, step(x)):
+            pytest.skip("this build computes the same bits with every attention kernel")
+        f = torch.compile(step, backend="nosync", options={**EAGER, "invariant_cache_bytes": 0})
+        for ctx in (contextlib.nullcontext, _sdpa_math_only, contextlib.nullcontext):
+            with ctx():
+                assert_bitwise(f(x), step(x))
+    assert cached_decisions(Action.HOISTED)
 
 
 def ramp(x):
@@ -772,3 +857,26 @@ def test_steps_run_generated_code_not_module_calls(options):
         handle.remove()
     assert sum(c is model for c in called) >= 4  # the hook sees module calls (the eager reference's)
     assert sorted({type(c).__name__ for c in called if isinstance(c, torch.fx.GraphModule)}) == []
+
+
+def observe_then_read(x, rmin, rmax, scale, zp, on):
+    y = torch.fused_moving_avg_obs_fake_quant(x, on, on, rmin, rmax, scale, zp, 0.5, 0, 255, -1)
+    return y, rmax.item()  # the running max the op just wrote
+
+
+def test_builtin_that_writes_its_arguments_by_schema_is_seen_as_a_writer():
+    """``torch.fused_moving_avg_obs_fake_quant`` writes its running min/max, scale and zero point
+    (``Tensor(a!)`` in its schema, no trailing underscore, no version bump): the later ``.item()``
+    on the running max was hoisted, and served the value from before the write on every call."""
+    def state():
+        return (torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([1.0]), torch.tensor([0], dtype=torch.int32),
+                torch.tensor([1]))
+
+    f = torch.compile(observe_then_read, backend="nosync", options=EAGER)
+    mine, ref = state(), state()
+    for v in (4.0, 8.0, 8.0, 2.0):
+        x = torch.tensor([-v, v])
+        got, want = f(x, *mine), observe_then_read(x, *ref)
+        assert_bitwise(got[0], want[0])
+        assert got[1] == want[1]
+    assert not cached_decisions(Action.HOISTED)

@@ -40,6 +40,7 @@ import logging
 import operator
 import re
 import struct
+import types
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -123,20 +124,47 @@ def _target_name(node: fx.Node) -> str:
     return t if isinstance(t, str) else getattr(t, "__name__", None) or str(t)
 
 
-def is_random(node: fx.Node) -> bool:
+def aten_overloads(node: fx.Node) -> list:
+    """The aten overloads a call node may run: its target's own (an OpOverload, a packet's), and
+    for a torch builtin (``torch.binomial``: Dynamo's graphs call these, not aten ops) or a tensor
+    method, those of the aten op of the same name. Empty for anything else (a Python function, a
+    function of the ``operator`` module)."""
     t = node.target
-    if _torch_private.is_op_overload(t) and torch.Tag.nondeterministic_seeded in t.tags:
+    if _torch_private.is_op_overload(t):
+        return [t]
+    packet = t if _torch_private.is_op_packet(t) else None
+    if packet is None:
+        name = _target_name(node)
+        builtin = (node.op == "call_function" and isinstance(t, types.BuiltinFunctionType)
+                   and not _is_operator_function(node))
+        if (builtin or node.op == "call_method") and name.isidentifier():
+            packet = getattr(torch.ops.aten, name, None)
+    if not _torch_private.is_op_packet(packet):
+        return []
+    try:
+        return [getattr(packet, o) for o in packet.overloads()]
+    except Exception:  # an overload that does not resolve on this build
+        return []
+
+
+def _seeded(op: Any) -> bool:
+    """An aten overload that draws from a random generator (tagged so, or taking one)."""
+    if torch.Tag.nondeterministic_seeded in op.tags:
         return True
-    if _torch_private.is_op_packet(t):
-        if any(torch.Tag.nondeterministic_seeded in getattr(t, o).tags for o in t.overloads()):
-            return True
+    return any("Generator" in str(a.type) for a in op._schema.arguments)
+
+
+def is_random(node: fx.Node) -> bool:
     name = _target_name(node)
-    if _RANDOM_RE.search(name) or _RANDOM_ANYWHERE.search(name):
-        return True
     if _ATTENTION_RE.search(name):  # F.scaled_dot_product_attention(q, k, v, mask, dropout_p, ...)
+        # NOTE: before the aten tags: attention is tagged seeded for its dropout, random only
+        # when dropout_p is not a literal 0
         p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
         return not (type(p) in (int, float) and p == 0)
-    return False
+    if _RANDOM_RE.search(name) or _RANDOM_ANYWHERE.search(name):
+        return True
+    # torch.binomial, torch.rnn_tanh/lstm/gru (dropout between layers), ...
+    return any(_seeded(op) for op in aten_overloads(node))
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:
@@ -287,12 +315,12 @@ def written_nodes(node: fx.Node) -> list[fx.Node]:
         written += _nodes_in(first)  # add_, fill_, _foreach_add_ (a list of tensors)
     if _inplace_flag(node):
         written += _nodes_in(first)
-    if _torch_private.is_op_overload(t):
-        written += _schema_writes(t._schema, node)
-    elif _torch_private.is_op_packet(t):
-        for overload in t.overloads():
-            written += _schema_writes(getattr(t, overload)._schema, node)
-    return written + hidden_written_nodes(node)
+    # every overload's schema (the graph does not say which one runs): custom ops with
+    # ``mutates_args``, and torch builtins that write an argument with no trailing underscore
+    # (``torch.fused_moving_avg_obs_fake_quant`` writes its running min/max, scale and zero point)
+    for op in aten_overloads(node):
+        written += _schema_writes(op._schema, node)
+    return list(dict.fromkeys(written + hidden_written_nodes(node)))  # each node once, in order
 
 
 def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
