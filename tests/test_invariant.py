@@ -541,6 +541,19 @@ RANDOM_ON_A_BUFFER = {
 }
 
 
+def same_draws_as_eager(f, m, *args, seeds=(0, 1, 2)) -> list:
+    """Each seed: ``f`` gives eager's bits and leaves the RNG stream where eager leaves it."""
+    outs = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        out, after = f(*args), torch.rand(1)
+        torch.manual_seed(seed)
+        assert_bitwise(out, m(*args))
+        assert_bitwise(after, torch.rand(1))  # the same draws, in the same order
+        outs.append(out)
+    return outs
+
+
 # the deterministic work on the buffer that feeds the draw (the counts, the weights) is cached
 RANDOM_OF_CACHED_INPUTS = {"binomial", "rnn_tanh-dropout"}
 
@@ -564,12 +577,7 @@ def test_random_ops_on_a_buffer_are_never_cached(name):
     m, x = Noisy(), torch.ones(1)
     f = torch.compile(m, backend="nosync", options=EAGER)
     with torch.no_grad():
-        for seed in (0, 1, 2):
-            torch.manual_seed(seed)
-            out, after = f(x), torch.rand(1)
-            torch.manual_seed(seed)
-            assert_bitwise(out, m(x))
-            assert_bitwise(after, torch.rand(1))  # the same draws, in the same order
+        same_draws_as_eager(f, m, x)
     if name not in RANDOM_OF_CACHED_INPUTS:
         assert not cached_decisions()
 

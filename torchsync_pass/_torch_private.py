@@ -15,6 +15,8 @@ private name                                                     used by
 ===============================================================  ==============================
 ``torch._subclasses.fake_tensor.is_fake``                        :func:`is_fake`
 ``torch._subclasses.fake_tensor.unset_fake_temporarily``         :func:`no_fake_mode`
+``torch._guards.detect_fake_mode``, ``TorchDispatchMode``          :func:`dispatched_ops`
+``torch._C._profiler._ExperimentalConfig(profile_all_threads=)``  :func:`all_threads_profiler_config`
 ``torch.fx.experimental.symbolic_shapes.guarding_hint_or_throw`` :func:`symint_hint`
 ``torch.fx.experimental.symbolic_shapes.free_symbols``           :func:`free_symbols`
 ``node.meta["grapharg"]`` (Dynamo's ``GraphArg``)                :func:`traced_example`
@@ -97,6 +99,39 @@ def no_fake_mode() -> Any:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def dispatched_ops(fn: Callable, args: tuple, kwargs: dict) -> Optional[tuple[list, list]]:
+    """``(aten overloads, written tensors)``: what ``fn(*args, **kwargs)`` dispatches, run on fake
+    copies of the fake tensors among ``args``/``kwargs`` (a graph node's example values) under
+    their fake mode, and which of those tensors (the originals) it wrote. None when there is no
+    fake tensor or the run fails."""
+    from torch._guards import detect_fake_mode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    fake_mode = detect_fake_mode([x for x in flat if isinstance(x, torch.Tensor)])
+    if fake_mode is None:
+        return None
+    ops: list = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):  # noqa: ANN001 - torch's protocol
+            ops.append(func)
+            return func(*a, **(kw or {}))
+
+    try:
+        with fake_mode:
+            copies = [x.clone() if is_fake(x) else x for x in flat]
+            versions = [x._version if is_fake(x) else None for x in copies]
+            a, kw = torch.utils._pytree.tree_unflatten(copies, spec)
+            with Record():
+                fn(*a, **kw)
+    except Exception:
+        log.debug("could not run %r on fake inputs", fn, exc_info=True)
+        return None
+    written = [orig for orig, x, v in zip(flat, copies, versions) if v is not None and x._version != v]
+    return ops, written
 
 
 def symint_hint(x: Any) -> Any:
@@ -817,6 +852,18 @@ def frame_runs_under_dynamo(frame: Any) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def all_threads_profiler_config() -> Any:
+    """Kineto's experimental config that records the ops of every thread, not only the one that
+    started the profiler (a serving engine's worker threads); None where torch lacks it.
+
+    NOTE: ``torch._C._profiler._ExperimentalConfig(profile_all_threads=True)``.
+    """
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except Exception:
+        return None
 
 
 def profiler_enabled() -> bool:

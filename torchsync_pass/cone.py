@@ -147,6 +147,39 @@ def aten_overloads(node: fx.Node) -> list:
         return []
 
 
+_UNSEEN = "nosync_unseen"  # node.meta key: a Python function whose ops could not be seen
+
+
+def dispatched(node: fx.Node) -> Optional[tuple[list, list[fx.Node]]]:
+    """For a call of a Python function Dynamo keeps whole in the graph (``torch.svd_lowrank``,
+    ``F.multi_head_attention_forward``: their names say nothing of the ``torch.randn`` or dropout
+    inside): ``(aten overloads it dispatches, argument nodes it writes)``, found by running it on
+    fake copies of its inputs' example values (cached on the node). None for any other node, and
+    for a call that could not be run so (:func:`_impure_reason` then refuses it)."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, types.FunctionType):
+        return None
+    if "nosync_dispatched" in node.meta:
+        return node.meta["nosync_dispatched"]
+    nodes: list[fx.Node] = []
+
+    def example(n: fx.Node) -> Any:
+        nodes.append(n)
+        return _torch_private.example_value(n)
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), example)
+    out = None
+    if all(_torch_private.example_value(n) is not None for n in nodes):
+        run = _torch_private.dispatched_ops(t, args, kwargs)
+        if run is not None:  # the written example values, back to their nodes
+            by_example = {id(_torch_private.example_value(n)): n for n in nodes}
+            written = [by_example[id(x)] for x in run[1] if id(x) in by_example]
+            out = (run[0], written) if len(written) == len(run[1]) else None
+    node.meta["nosync_dispatched"] = out
+    node.meta[_UNSEEN] = out is None
+    return out
+
+
 def _seeded(op: Any) -> bool:
     """An aten overload that draws from a random generator (tagged so, or taking one)."""
     if torch.Tag.nondeterministic_seeded in op.tags:
@@ -164,7 +197,10 @@ def is_random(node: fx.Node) -> bool:
     if _RANDOM_RE.search(name) or _RANDOM_ANYWHERE.search(name):
         return True
     # torch.binomial, torch.rnn_tanh/lstm/gru (dropout between layers), ...
-    return any(_seeded(op) for op in aten_overloads(node))
+    if any(_seeded(op) for op in aten_overloads(node)):
+        return True
+    seen = dispatched(node)  # a Python function kept whole: what it runs
+    return seen is not None and any(_seeded(op) for op in seen[0])
 
 
 def _nodes_in(value: Any) -> list[fx.Node]:
@@ -226,22 +262,40 @@ HIDDEN_WRITTEN_BUFFERS = ("running_mean", "running_var")
 # deterministic algorithms, thread counts, matmul precision, SDP backends): ops moved out of the
 # graph would run before it, under the caller's setting (``torch.zeros(2)`` after a
 # ``torch.set_default_dtype(torch.float64)`` in the step), and the setter itself could be moved.
+# Any function called ``set_...``/``_set_...`` counts too (``torch._C._set_mkldnn_enabled``, which
+# ``torch.backends.mkldnn.flags`` calls, the NNPACK, cuDNN, BLAS and linalg backend setters, ...).
 _GLOBAL_STATE_OPS = ("set_grad_enabled", "inference_mode", "autocast", "set_default_", "deterministic",
                      "set_num_threads", "set_num_interop_threads", "set_flush_denormal", "matmul_precision",
                      "_sdp", "set_rng_state", "manual_seed", "seed")
+# The ones that change no value a cone computes (a cone runs without grad either way)
+_GRAD_MODE_OPS = ("set_grad_enabled", "inference_mode")
 
 
-def global_state_change(graph: fx.Graph) -> Optional[str]:
+def _changes_global_state(n: fx.Node) -> bool:
+    if n.op not in ("call_function", "call_method"):
+        return False
+    name = _target_name(n)
+    if n.op == "call_function" and name.startswith(("set_", "_set_")) and not name.endswith("_"):
+        return True  # (not Tensor.set_ and other in-place ops: writes, not settings)
+    return any(k in name for k in _GLOBAL_STATE_OPS)
+
+
+def global_state_change(graph: fx.Graph, grad_mode: bool = True) -> Optional[str]:
     """The first node of ``graph`` that changes grad mode, inference mode, autocast or another
-    global setting (its ``file:line``), or None.
+    global setting (its ``file:line``), or None. ``grad_mode=False``: only a setting that can
+    change the values a cone computes (not grad or inference mode).
 
-    NOTE: work moved out of the graph (computed once per request, or tabulated) would run under
-    the caller's state, not the region's: a tensor computed under ``no_grad`` inside the step would
-    carry autograd history, one under ``autocast`` would have other bits.
+    NOTE: work moved out of the graph (computed once per request, tabulated, or re-run by a
+    guard) would run under the caller's state, not the region's: a tensor computed under
+    ``no_grad`` inside the step would carry autograd history, one under ``autocast`` or after
+    ``torch.set_default_dtype`` would have other bits.
     """
     for n in graph.nodes:
-        if n.op in ("call_function", "call_method") and any(k in _target_name(n) for k in _GLOBAL_STATE_OPS):
-            return f"{_target_name(n)} at {_where(n)}"
+        if _changes_global_state(n):
+            name = _target_name(n)
+            if not grad_mode and any(k in name for k in _GRAD_MODE_OPS):
+                continue
+            return f"{name} at {_where(n)}"
     return None
 
 
@@ -320,6 +374,9 @@ def written_nodes(node: fx.Node) -> list[fx.Node]:
     # (``torch.fused_moving_avg_obs_fake_quant`` writes its running min/max, scale and zero point)
     for op in aten_overloads(node):
         written += _schema_writes(op._schema, node)
+    seen = dispatched(node)  # a Python function kept whole: the arguments it wrote on fake copies
+    if seen is not None:
+        written += seen[1]
     return list(dict.fromkeys(written + hidden_written_nodes(node)))  # each node once, in order
 
 
@@ -336,6 +393,8 @@ def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
         return Reason.SUBGRAPH, f"higher-order op {name}"
     if is_random(node):
         return Reason.IMPURE_OP, f"random op {name}"
+    if node.meta.get(_UNSEEN):  # set by is_random above
+        return Reason.IMPURE_OP, f"{name}: a Python function whose ops could not be seen (run on fake inputs failed)"
     if written_nodes(node):
         return Reason.IMPURE_OP, f"in-place op {name}"
     if node.op == "call_function" and name.startswith("_") and name not in _SAFE_PRIVATE:

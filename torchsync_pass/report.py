@@ -83,6 +83,10 @@ class Reason(enum.Enum):
         "an op that syncs inside (linalg error and pivot checks) on request-invariant tables at a host "
         "int index: its value at every index computed once per request by the same ops, read per step"
     )
+    STATE_REGION = (
+        "the step changes a global setting (default dtype, a backend switch, deterministic "
+        "algorithms, ...) in the graph: a guard re-running the cone would run it under the caller's setting"
+    )
     IN_OP_ALIASED = "the graph writes the op's result in place or returns it: a cached value could be changed"
     IN_OP_STATE_REGION = (
         "the graph changes grad mode, inference mode or autocast inside: a table computed once per "
