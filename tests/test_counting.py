@@ -440,3 +440,27 @@ def test_unreadable_profiler_events_are_said_not_dropped(monkeypatch, caplog):
     note = counting.UNREADABLE_NOTE.format(version=torch.__version__)
     assert c.notes == [note] and f"note: {note}" in c.summary()
     assert note in caplog.text
+
+
+def test_syncs_of_a_worker_thread_are_counted():
+    """A serving engine runs the model in worker threads: the profiler recorded only the thread
+    that opened the counter, so a sync inside an op (``linalg.solve``) in a worker was missed while
+    its ``.item()`` (seen by the method wrappers) was counted: a plausible, partial total."""
+    import threading
+
+    a = torch.randn(3, 3, generator=torch.Generator().manual_seed(0)) + 3 * torch.eye(3)
+    b = torch.ones(3)
+
+    def work():
+        for _ in range(3):
+            torch.linalg.solve(a, b)
+            b.sum().item()
+
+    with count_syncs() as here:
+        work()
+    with count_syncs() as worker:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    assert here.by_kind["in_op"] > 0 and here.by_kind["item"] == 3
+    assert dict(worker.by_kind) == dict(here.by_kind) and worker.total == here.total

@@ -641,11 +641,16 @@ class _Profiler:
             return False
         from torch.autograd.profiler import profile
 
+        # every thread's ops: a sync inside an op or a compiled graph run by a worker thread is
+        # seen by the profiler only (the method wrappers see every thread's .item(), bool(), ...)
+        config = _torch_private.all_threads_profiler_config()
+        self.all_threads = config is not None
         self.prof = profile(
             use_kineto=True,
             use_device="cuda" if torch.cuda.is_available() else None,
             with_stack=self.stacks,
             record_shapes=False,
+            **({"experimental_config": config} if config is not None else {}),
         )
         with _quiet_stderr():
             self.prof.__enter__()
