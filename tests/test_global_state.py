@@ -197,3 +197,23 @@ def test_which_graphs_a_precision_setting_can_change(fn, sensitive):
     assert precision_sensitive(torch.fx.symbolic_trace(fn).graph) is sensitive
     gm = torch.fx.symbolic_trace(nn.Sequential(nn.ReLU()))  # a module call: counted
     assert precision_sensitive(gm.graph)
+
+
+@pytest.mark.parametrize("fn, attention", [
+    (lambda a: (a @ a).sum(), False),
+    (lambda a: torch.nn.functional.linear(a, a).sum(), False),
+    (lambda a: torch.nn.functional.conv1d(a[None], a[:, :, None]).sum(), False),
+    (lambda a: torch.nn.functional.scaled_dot_product_attention(a[None], a[None], a[None]).sum(), True),
+    (lambda a: torch.linalg.inv(a), True),  # an op nosync does not know: everything is read
+])
+def test_attention_switches_are_read_only_where_attention_may_run(fn, attention):
+    """The attention kernels' switches cost 0.6 us a call: a graph of matmuls and convolutions
+    does not read them; one with attention, or with an op nosync does not know, does."""
+    from torchsync_pass import _torch_private
+    from torchsync_pass.guards import precision_reader
+
+    reader = precision_reader(torch.fx.symbolic_trace(fn).graph)
+    full, partial = _torch_private.fp32_precisions, _torch_private.fp32_precisions_no_attention
+    assert reader is (full if attention else partial)
+    if hasattr(torch._C, "_get_flash_sdp_enabled"):
+        assert len(partial()) < len(full())

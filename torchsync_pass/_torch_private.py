@@ -325,7 +325,7 @@ _FP32_BACKENDS = {"cuda": lambda: torch.backends.cuda.is_built(), "cudnn": lambd
                   "mkldnn": lambda: torch.backends.mkldnn.is_available()}
 
 
-def _fp32_precisions_fn() -> Callable[[], tuple]:
+def _fp32_precisions_fn(attention: bool = True) -> Callable[[], tuple]:
     get = getattr(torch._C, "_get_fp32_precision_getter", None)
     if get is None:
         return tuple
@@ -347,7 +347,10 @@ def _fp32_precisions_fn() -> Callable[[], tuple]:
     # The backend switches that pick a convolution, matmul or attention kernel (and so its bits)
     # without being a precision (_KERNEL_SWITCHES). Dynamo's global-state guard covers none of them.
     switches = {}
-    for n in _KERNEL_SWITCHES:
+    # NOTE: the backend preferences pick CUDA/ROCm kernels only, and each read builds an enum
+    # (0.4 us, against 0.05 for a flag): read per call only where a GPU is there to use them
+    gpu = torch.cuda.is_available()
+    for n in _KERNEL_SWITCHES + (_ATTENTION_SWITCHES if attention else ()) + (_GPU_BACKEND_SWITCHES if gpu else ()):
         fn = getattr(torch._C, n, None)
         try:
             v = fn() if callable(fn) else None
@@ -367,21 +370,28 @@ def _fp32_precisions_fn() -> Callable[[], tuple]:
 # ``benchmark``/``deterministic``, ``torch.backends.nnpack`` (CPU convolutions), the attention kernels
 # ``torch.nn.attention.sdpa_kernel`` and ``torch.backends.cuda.enable_*_sdp`` choose from, their
 # priority order and the math kernel's fp16/bf16 reduction, the reduced-precision switches of
-# CPU and cuBLAS gemms, the preferred BLAS/linalg/ROCm flash-attention backends, the quantized
-# engine, and deterministic's fill of uninitialized memory. A getter this torch lacks is skipped.
+# CPU and cuBLAS gemms, the quantized engine, deterministic's fill of uninitialized memory, and
+# where a GPU is available, the preferred BLAS/linalg/ROCm flash-attention backends. A getter this
+# torch lacks is skipped.
 _KERNEL_SWITCHES = (
     "_get_mkldnn_enabled", "_get_mkldnn_deterministic", "_get_cudnn_enabled", "_get_cudnn_allow_tf32",
     "_get_cudnn_benchmark", "_get_cudnn_deterministic", "_get_nnpack_enabled",
+    "_get_cpu_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_fp16_accumulation",
+    "_get_qengine", "_get_deterministic_fill_uninitialized_memory",
+)
+# read only for work that may run attention (see guards.precision_reader): 0.6 us a call together
+_ATTENTION_SWITCHES = (
     "_get_flash_sdp_enabled", "_get_math_sdp_enabled", "_get_mem_efficient_sdp_enabled",
     "_get_cudnn_sdp_enabled", "_get_overrideable_sdp_enabled", "_get_fa3_sdp_enabled",
     "_get_sdp_priority_order", "_get_math_sdp_allow_fp16_bf16_reduction",
-    "_get_cpu_allow_fp16_reduced_precision_reduction", "_get_cublas_allow_fp16_accumulation",
-    "_get_blas_preferred_backend", "_get_linalg_preferred_backend", "_get_rocm_fa_preferred_backend",
-    "_get_qengine", "_get_deterministic_fill_uninitialized_memory",
 )
+_GPU_BACKEND_SWITCHES = ("_get_blas_preferred_backend", "_get_linalg_preferred_backend",
+                         "_get_rocm_fa_preferred_backend")
 fp32_precisions: Callable[[], tuple] = _fp32_precisions_fn()
 fp32_precisions.__doc__ = ("The per-backend fp32 precision settings, one string per (backend, op) this torch "
-                           "has, then the backend switches that pick a convolution or matmul kernel.")
+                           "has, then the backend switches that pick a convolution, matmul or attention kernel.")
+fp32_precisions_no_attention: Callable[[], tuple] = _fp32_precisions_fn(attention=False)
+fp32_precisions_no_attention.__doc__ = ":func:`fp32_precisions` without the attention kernels' switches."
 
 # What :func:`float32_matmul_precision` answers when the legacy and per-backend APIs were mixed.
 MIXED_PRECISION = "mixed legacy and per-backend settings"

@@ -210,22 +210,45 @@ def _precision_free_name(name: str) -> bool:
     return any(t in o.tags for o in overloads for t in _PRECISION_TAGS)
 
 
-def precision_sensitive(graph: Any) -> bool:
-    """May a precision setting (``torch.backends.*.fp32_precision``) change what ``graph`` computes?"""
+# Ops known to run no attention kernel among those a precision setting or kernel switch changes:
+# their graphs skip the attention kernels' switches in the per-call check (0.6 us a call).
+_NO_ATTENTION = frozenset({
+    "linear", "matmul", "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "mv", "dot", "vdot",
+    "einsum", "tensordot", "inner", "outer", "bilinear", "chain_matmul", "__matmul__", "__rmatmul__",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "convolution", "_convolution",
+})
+
+
+def precision_reader(graph: Any) -> Optional[Callable[[], tuple]]:
+    """What to read on every call so that a precision setting (``torch.backends.*.fp32_precision``)
+    or a kernel switch that can change what ``graph`` computes is seen: None when none can,
+    :func:`_torch_private.fp32_precisions_no_attention` when only matmuls and convolutions can,
+    else :func:`_torch_private.fp32_precisions` (an attention op, or any op nosync does not know)."""
+    reader = None
     for n in graph.nodes:
         if n.op in ("placeholder", "output", "get_attr"):
             continue
         t = n.target
         if n.op == "call_function" and getattr(t, "__module__", None) in ("_operator", "operator"):
             if t in (operator.matmul, operator.imatmul):
-                return True
+                reader = _torch_private.fp32_precisions_no_attention
             continue
         if n.op not in ("call_function", "call_method"):
-            return True
+            return _torch_private.fp32_precisions
         name = t if isinstance(t, str) else getattr(t, "__name__", None)
-        if not isinstance(name, str) or not _precision_free_name(name):
-            return True
-    return False
+        if not isinstance(name, str):
+            return _torch_private.fp32_precisions
+        if not _precision_free_name(name):
+            if name not in _NO_ATTENTION:
+                return _torch_private.fp32_precisions
+            reader = _torch_private.fp32_precisions_no_attention
+    return reader
+
+
+def precision_sensitive(graph: Any) -> bool:
+    """May a precision setting (``torch.backends.*.fp32_precision``) change what ``graph`` computes?"""
+    return precision_reader(graph) is not None
 
 
 @dataclass(eq=False)  # NOTE: never compare entries by value: weakref == compares the tensors
@@ -780,14 +803,17 @@ class SiteCheck:
         # snapshot does not cover, where the cone has an op they can change.
         self.entry = _torch_private.frame_entry_state()
         module = cone.result.module
-        self.precisions = bits[-1] if module is None or precision_sensitive(module.graph) else None
+        self.read_precisions = (_torch_private.fp32_precisions if module is None
+                                else precision_reader(module.graph))
+        # NOTE: read now, in the compile whose bits_state() is ``bits``
+        self.precisions = self.read_precisions() if self.read_precisions is not None else None
 
     def state_changed(self) -> bool:
         """Is this call's global state not the one this entry was compiled under?"""
         entry = self.entry
         return ((entry is not None and not _torch_private.snapshot_for_context(entry).check())
                 or torch.get_num_threads() != self.bits[0]
-                or (self.precisions is not None and _torch_private.fp32_precisions() != self.precisions))
+                or (self.precisions is not None and self.read_precisions() != self.precisions))
 
     def __call__(self, L: Any, G: Any) -> bool:
         if self.state_changed():
@@ -915,7 +941,8 @@ class SiteCheck:
         last: list = [None, None, False, -1]
         # one compile: every check has the same bits_state() and frame entry state
         entry = checks[0].entry
-        precisions = next((c.precisions for c in checks if c.precisions is not None), None)
+        # each reader once (a frame's cones may read different sets), with its compile-time value
+        readers = {c.read_precisions: c.precisions for c in reversed(checks) if c.precisions is not None}
         written = checks[0].written  # one compile: every check has the same
         first = checks[0]
 
@@ -960,8 +987,8 @@ class SiteCheck:
         p = "_nosync_"
         names = [f"{p}t{i}" for i in range(len(sources))]
         state = f"not {p}entry_check()" if entry is not None else f"{p}get_num_threads() != {p}threads"
-        if precisions is not None:
-            state += f" or {p}get_precisions() != {p}precisions"
+        for i in range(len(readers)):
+            state += f" or {p}get_precisions{i}() != {p}precisions{i}"
         leaves = "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
         lines = [
             "def run(L, G):",
@@ -986,9 +1013,10 @@ class SiteCheck:
         ]
         ours = dict(first=first, resolve_failed=resolve_failed, ran=ran, failed=failed, written=written,
                     last=last, book=book, slow=slow, demotions=_DEMOTIONS, counters=counters,
-                    threads=checks[0].bits[0], get_num_threads=torch.get_num_threads, precisions=precisions,
-                    get_precisions=_torch_private.fp32_precisions,
+                    threads=checks[0].bits[0], get_num_threads=torch.get_num_threads,
                     entry_check=(_torch_private.snapshot_for_context(entry).check if entry is not None else None))
+        for i, (reader, value) in enumerate(readers.items()):
+            ours[f"get_precisions{i}"], ours[f"precisions{i}"] = reader, value
         env = dynamo_hooks.guard_env()
         env.update({p + k: v for k, v in ours.items()})
         exec("\n".join(lines), env)  # noqa: S102 - sources are Dynamo guard expressions

@@ -80,7 +80,7 @@ import torch
 from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, rewrite, symbolic
-from .guards import (MEMO_SIZE, ConeMemo, bits_state, counters, fast_key, precision_sensitive, record_decision,
+from .guards import (MEMO_SIZE, ConeMemo, bits_state, counters, fast_key, precision_reader, record_decision,
                      same_call_expr)
 from .report import Action, Decision, Reason
 
@@ -364,7 +364,8 @@ class InvariantRunner:
         self.last_state: Optional[tuple] = None
         self.last_key: Optional[tuple] = None
         # Read the per-backend fp32 precisions on every call only where they can change the bits.
-        self.precision_sensitive = precision_sensitive(invariant.graph)
+        self.read_precisions = precision_reader(invariant.graph)
+        self.precision_sensitive = self.read_precisions is not None
         # NOTE: a GraphModule's generated forward, not the module: nn.Module.__call__ costs
         # microseconds per call; same ops.
         self._invariant_fn = _torch_private.graph_forward(invariant)
@@ -422,13 +423,14 @@ class InvariantRunner:
         # part of it but the per-backend precisions, compared where they change the bits; kept
         # when the last call is forgotten with its leaves, as between two requests).
         known = self.last_state
-        if known is not None and known[0]() and (not self.precision_sensitive
-                                                   or known[1] == _torch_private.fp32_precisions()):
-            check, state = known[0], known[2]
+        read = self.read_precisions
+        if known is not None and known[0]() and (read is None or known[1] == read()):
+            check, precisions, state = known
         else:
             check = _torch_private.global_state_now().check
+            precisions = read() if read is not None else None
             state = (grad, bits_state(), torch.get_default_dtype(), _autocast_state())
-            self.last_state = (check, state[1][-1], state)
+            self.last_state = (check, precisions, state)
         memo = self.memos.get(state)
         if memo is None:
             # One state's memo at a time: the byte limit bounds the runner's cached tensors as a
@@ -450,7 +452,7 @@ class InvariantRunner:
                 return None
             e = memo.store(leaves, None, values, fps)
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
-        self.last = (grad, e.refs, key, e.value, check, state[1][-1])
+        self.last = (grad, e.refs, key, e.value, check, precisions)
         return e.value
 
 
@@ -494,6 +496,6 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable
     lines.append("        return whole(*args)  # the invariant part raised: see InvariantRunner.miss")
     lines.append("    return step(*args, *values)")
     env = {"runner": runner, "step": step, "whole": runner._whole_fn, "counters": counters,
-           "fp32_precisions": _torch_private.fp32_precisions}
+           "fp32_precisions": runner.read_precisions}
     exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
     return env["call"]
