@@ -152,3 +152,74 @@ def test_kernel_switch_setter_in_the_step_keeps_the_work_in_the_step():
         for _ in range(2):
             assert_bitwise(f(y), m(y))
     assert not decisions(Action.CACHED)
+
+
+# --- What the fixes above must not refuse (hostile review of them, the same day) ----------------
+
+
+class NormOfBuffers(nn.Module):
+    """``F.layer_norm`` and ``F.softmax`` are Python functions Dynamo keeps whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("b", torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return x * torch.nn.functional.softmax(torch.nn.functional.layer_norm(self.b, (8,)), -1)
+
+
+def test_pure_python_functions_kept_whole_are_still_cached():
+    """The probe ran under the backend's fresh fake mode, not the examples' ("Mixing fake modes"),
+    failed, and every such function counted as impure: nothing through them was cached."""
+    m, x = NormOfBuffers(), torch.randn(4, 8)
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    for _ in range(2):
+        assert_bitwise(f(x), m(x))
+    assert decisions(Action.CACHED)
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.rnn = nn.LSTM(8, 8, num_layers=2, dropout=0.5)  # dropout, but eval: none drawn
+        self.register_buffer("ctx", torch.randn(5, 1, 8, generator=g))
+
+    def forward(self, x):
+        out, _ = self.rnn(self.ctx)
+        if out.abs().sum() > 1.0:
+            x = x + 1
+        return x + out[-1]
+
+
+def test_rnn_in_eval_is_not_random():
+    """``aten.lstm`` is tagged seeded for its dropout between layers: an eval LSTM over a fixed
+    context counted as random and was neither hoisted nor cached."""
+    m, x = Encoder().eval().requires_grad_(False), torch.zeros(1, 8)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        f = torch.compile(m, backend="nosync", options=EAGER)
+        for _ in range(2):
+            assert_bitwise(f(x), m(x))
+    assert decisions(Action.HOISTED) and decisions(Action.CACHED)
+
+
+class AutocastThenSync(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("lens", torch.tensor([3, 5, 2]))
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.lin(x)
+        n = int(self.lens.max())  # its cone runs after the region closed
+        return h.float()[:n] * 2
+
+
+def test_sync_after_a_closed_autocast_region_is_hoisted():
+    m, x = AutocastThenSync().eval(), torch.randn(6, 8)
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_bitwise(f(x), m(x))
+    assert decisions(Action.HOISTED) and not decisions(Action.REJECTED)

@@ -15,7 +15,7 @@ private name                                                     used by
 ===============================================================  ==============================
 ``torch._subclasses.fake_tensor.is_fake``                        :func:`is_fake`
 ``torch._subclasses.fake_tensor.unset_fake_temporarily``         :func:`no_fake_mode`
-``torch._guards.detect_fake_mode``, ``TorchDispatchMode``          :func:`dispatched_ops`
+``FakeTensor.fake_mode``, ``TorchDispatchMode``                   :func:`dispatched_ops`
 ``torch._C._profiler._ExperimentalConfig(profile_all_threads=)``  :func:`all_threads_profiler_config`
 ``torch.fx.experimental.symbolic_shapes.guarding_hint_or_throw`` :func:`symint_hint`
 ``torch.fx.experimental.symbolic_shapes.free_symbols``           :func:`free_symbols`
@@ -106,13 +106,15 @@ def dispatched_ops(fn: Callable, args: tuple, kwargs: dict) -> Optional[tuple[li
     copies of the fake tensors among ``args``/``kwargs`` (a graph node's example values) under
     their fake mode, and which of those tensors (the originals) it wrote. None when there is no
     fake tensor or the run fails."""
-    from torch._guards import detect_fake_mode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-    fake_mode = detect_fake_mode([x for x in flat if isinstance(x, torch.Tensor)])
-    if fake_mode is None:
+    # NOTE: the examples' own mode, not the tracing context's (detect_fake_mode prefers that one,
+    # and a backend runs under a fresh one: "Mixing fake modes NYI")
+    modes = {id(x.fake_mode): x.fake_mode for x in flat if is_fake(x)}
+    if len(modes) != 1:
         return None
+    (fake_mode,) = modes.values()
     ops: list = []
 
     class Record(TorchDispatchMode):

@@ -161,6 +161,9 @@ def dispatched(node: fx.Node) -> Optional[tuple[list, list[fx.Node]]]:
         return None
     if "nosync_dispatched" in node.meta:
         return node.meta["nosync_dispatched"]
+    if _changes_global_state(node):  # never run a setter (torch.manual_seed) at compile time
+        node.meta["nosync_dispatched"], node.meta[_UNSEEN] = None, True
+        return None
     nodes: list[fx.Node] = []
 
     def example(n: fx.Node) -> Any:
@@ -187,6 +190,20 @@ def _seeded(op: Any) -> bool:
     return any("Generator" in str(a.type) for a in op._schema.arguments)
 
 
+_RNN_OPS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
+
+
+def _rnn_dropout(node: fx.Node) -> bool:
+    """``torch.lstm(input, hx, params, has_biases, num_layers, dropout, train, ...)`` (or the packed
+    form, ``(data, batch_sizes, hx, params, ...)``, one position later) draws only with a nonzero
+    ``dropout`` in training: False only when both are literals that say it does not."""
+    a = node.args
+    for i in (5, 6):  # the dense form, then the packed one
+        if len(a) > i + 1 and type(a[i]) in (int, float) and type(a[i + 1]) is bool:
+            return not (a[i] == 0 or a[i + 1] is False)
+    return True
+
+
 def is_random(node: fx.Node) -> bool:
     name = _target_name(node)
     if _ATTENTION_RE.search(name):  # F.scaled_dot_product_attention(q, k, v, mask, dropout_p, ...)
@@ -196,7 +213,9 @@ def is_random(node: fx.Node) -> bool:
         return not (type(p) in (int, float) and p == 0)
     if _RANDOM_RE.search(name) or _RANDOM_ANYWHERE.search(name):
         return True
-    # torch.binomial, torch.rnn_tanh/lstm/gru (dropout between layers), ...
+    if name in _RNN_OPS:  # tagged seeded for their dropout between layers
+        return _rnn_dropout(node)
+    # torch.binomial, ...
     if any(_seeded(op) for op in aten_overloads(node)):
         return True
     seen = dispatched(node)  # a Python function kept whole: what it runs
@@ -267,7 +286,8 @@ HIDDEN_WRITTEN_BUFFERS = ("running_mean", "running_var")
 _GLOBAL_STATE_OPS = ("set_grad_enabled", "inference_mode", "autocast", "set_default_", "deterministic",
                      "set_num_threads", "set_num_interop_threads", "set_flush_denormal", "matmul_precision",
                      "_sdp", "set_rng_state", "manual_seed", "seed")
-# The ones that change no value a cone computes (a cone runs without grad either way)
+# The ones that change no value a cone computes (a cone runs without grad either way): see
+# state_region_of
 _GRAD_MODE_OPS = ("set_grad_enabled", "inference_mode")
 
 
@@ -280,22 +300,44 @@ def _changes_global_state(n: fx.Node) -> bool:
     return any(k in name for k in _GLOBAL_STATE_OPS)
 
 
-def global_state_change(graph: fx.Graph, grad_mode: bool = True) -> Optional[str]:
+def global_state_change(graph: fx.Graph) -> Optional[str]:
     """The first node of ``graph`` that changes grad mode, inference mode, autocast or another
-    global setting (its ``file:line``), or None. ``grad_mode=False``: only a setting that can
-    change the values a cone computes (not grad or inference mode).
+    global setting (its ``file:line``), or None.
 
-    NOTE: work moved out of the graph (computed once per request, tabulated, or re-run by a
-    guard) would run under the caller's state, not the region's: a tensor computed under
-    ``no_grad`` inside the step would carry autograd history, one under ``autocast`` or after
-    ``torch.set_default_dtype`` would have other bits.
+    NOTE: work moved out of the graph (computed once per request, or tabulated) would run under
+    the caller's state, not the region's: a tensor computed under ``no_grad`` inside the step would
+    carry autograd history, one under ``autocast`` or after ``torch.set_default_dtype`` would have
+    other bits.
     """
     for n in graph.nodes:
         if _changes_global_state(n):
+            return f"{_target_name(n)} at {_where(n)}"
+    return None
+
+
+def state_region_of(graph: fx.Graph, nodes: set) -> Optional[str]:
+    """The setter (its name and ``file:line``) under whose setting one of ``nodes`` runs, or None:
+    a node between ``_enter_autocast`` and its ``_exit_autocast`` (the exit restores the state
+    exactly), or after any other setter that changes values (the default dtype, a backend switch,
+    ...: whether a later call restores the caller's setting cannot be told, so it counts for the
+    rest of the graph). Grad and inference mode change no value a cone computes."""
+    depth, opened, sticky = 0, None, None
+    for n in graph.nodes:
+        if _changes_global_state(n):
             name = _target_name(n)
-            if not grad_mode and any(k in name for k in _GRAD_MODE_OPS):
+            if any(k in name for k in _GRAD_MODE_OPS):
                 continue
-            return f"{name} at {_where(n)}"
+            if name == "_enter_autocast":
+                depth, opened = depth + 1, opened or n
+            elif name == "_exit_autocast":
+                depth = max(depth - 1, 0)
+                opened = opened if depth else None
+            elif sticky is None:
+                sticky = n
+            continue
+        if n in nodes and n.op not in ("placeholder", "get_attr") and (depth or sticky is not None):
+            setter = opened if depth else sticky
+            return f"{_target_name(setter)} at {_where(n)}"
     return None
 
 

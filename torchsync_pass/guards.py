@@ -40,8 +40,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _torch_private, dynamo_hooks
-from .cone import (HOISTED_LEAF_META, ConeResult, _example, _storage_key, analyze_cone, global_state_change,
-                   hidden_writes_to_hoisted, hoisted_leaf_storages, mark_hoisted, written_storages)
+from .cone import (HOISTED_LEAF_META, ConeResult, _example, _storage_key, analyze_cone, cone_of,
+                   hidden_writes_to_hoisted, hoisted_leaf_storages, mark_hoisted, state_region_of, written_storages)
 from .errors import NosyncOptionsError
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
 
@@ -566,7 +566,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         return False, f"demoted earlier: {state.demoted.value}"
 
     _check_declared_names(site, opts)
-    region = global_state_change(site.node.graph, grad_mode=False)
+    region = state_region_of(site.node.graph, cone_of(site.node))
     if region is not None:  # hoisted or lifted, the cone would re-run under the caller's setting
         return _reject(state, Reason.STATE_REGION, region, compile_id)
     result = analyze_cone(site.node, site.leaves, declared=opts.invariant,
