@@ -355,13 +355,12 @@ def _fp32_precisions_fn(attention: bool = True) -> Callable[[], tuple]:
     for n in _KERNEL_SWITCHES + (_ATTENTION_SWITCHES if attention else ()) + (_GPU_BACKEND_SWITCHES if gpu else ()):
         fn = getattr(torch._C, n, None)
         try:
-            v = fn() if callable(fn) else None
+            v = fn()
         except Exception:  # not a getter of this torch build (or one that needs an argument here)
             continue
-        if callable(fn):
-            switches[n] = fn
-            # a list (the SDPA priority order) becomes a tuple: the state is a dict key
-            calls.append(f"tuple({n}())" if isinstance(v, list) else f"{n}()")
+        switches[n] = fn
+        # a list (the SDPA priority order) becomes a tuple: the state is a dict key
+        calls.append(f"tuple({n}())" if isinstance(v, list) else f"{n}()")
     if not calls:
         return tuple
     # one straight-line tuple of C calls: this runs per call where a cone or cached tensor does a matmul

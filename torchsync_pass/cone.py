@@ -147,9 +147,6 @@ def aten_overloads(node: fx.Node) -> list:
         return []
 
 
-_UNSEEN = "nosync_unseen"  # node.meta key: a Python function whose ops could not be seen
-
-
 def dispatched(node: fx.Node) -> Optional[tuple[list, list[fx.Node]]]:
     """For a call of a Python function Dynamo keeps whole in the graph (``torch.svd_lowrank``,
     ``F.multi_head_attention_forward``: their names say nothing of the ``torch.randn`` or dropout
@@ -162,7 +159,7 @@ def dispatched(node: fx.Node) -> Optional[tuple[list, list[fx.Node]]]:
     if "nosync_dispatched" in node.meta:
         return node.meta["nosync_dispatched"]
     if _changes_global_state(node):  # never run a setter (torch.manual_seed) at compile time
-        node.meta["nosync_dispatched"], node.meta[_UNSEEN] = None, True
+        node.meta["nosync_dispatched"] = None
         return None
     nodes: list[fx.Node] = []
 
@@ -179,8 +176,12 @@ def dispatched(node: fx.Node) -> Optional[tuple[list, list[fx.Node]]]:
             written = [by_example[id(x)] for x in run[1] if id(x) in by_example]
             out = (run[0], written) if len(written) == len(run[1]) else None
     node.meta["nosync_dispatched"] = out
-    node.meta[_UNSEEN] = out is None
     return out
+
+
+def _unseen(node: fx.Node) -> bool:
+    """A Python function kept whole whose ops :func:`dispatched` could not see."""
+    return node.op == "call_function" and isinstance(node.target, types.FunctionType) and dispatched(node) is None
 
 
 def _seeded(op: Any) -> bool:
@@ -343,16 +344,14 @@ def state_region_of(graph: fx.Graph, nodes: set) -> Optional[str]:
 
 def _bound_arguments(node: fx.Node) -> Optional[dict]:
     """``{argument name: value}`` of a call node, or None when its signature is unknown."""
-    from .dynamo_hooks import op_schemas
-
     t = node.target
-    schemas = op_schemas(t, _target_name(node).split(".")[0])
-    if schemas is None and inspect.isfunction(t):
+    schemas = [op._schema for op in aten_overloads(node)]
+    if not schemas and inspect.isfunction(t):
         try:
             return dict(inspect.signature(t).bind(*node.args, **node.kwargs).arguments)
         except (TypeError, ValueError):
             return None
-    for schema in schemas or ():
+    for schema in schemas:
         names = [a.name for a in schema.arguments]
         if len(node.args) <= len(names) and all(k in names for k in node.kwargs):
             bound = dict(zip(names, node.args))
@@ -435,7 +434,7 @@ def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
         return Reason.SUBGRAPH, f"higher-order op {name}"
     if is_random(node):
         return Reason.IMPURE_OP, f"random op {name}"
-    if node.meta.get(_UNSEEN):  # set by is_random above
+    if _unseen(node):
         return Reason.IMPURE_OP, f"{name}: a Python function whose ops could not be seen (run on fake inputs failed)"
     if written_nodes(node):
         return Reason.IMPURE_OP, f"in-place op {name}"

@@ -644,7 +644,6 @@ class _Profiler:
         # every thread's ops: a sync inside an op or a compiled graph run by a worker thread is
         # seen by the profiler only (the method wrappers see every thread's .item(), bool(), ...)
         config = _torch_private.all_threads_profiler_config()
-        self.all_threads = config is not None
         self.prof = profile(
             use_kineto=True,
             use_device="cuda" if torch.cuda.is_available() else None,

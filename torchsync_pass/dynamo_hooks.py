@@ -651,21 +651,6 @@ def leaf_getter(sources: list[str]) -> Callable[[Any, Any], tuple]:
     return eval(f"lambda L, G: ({body})", guard_env())  # noqa: S307 - sources are Dynamo guard expressions
 
 
-def op_schemas(target: Any, name: str) -> Optional[list]:
-    """The aten schemas of an FX call target: an OpOverload's, an OpOverloadPacket's overloads', or,
-    for a builtin such as ``torch.batch_norm``, those of the aten op called ``name``; None for a
-    Python function (its own signature says more)."""
-    ops = torch._ops
-    if isinstance(target, ops.OpOverload):
-        return [target._schema]
-    packet = target if isinstance(target, ops.OpOverloadPacket) else None
-    if packet is None and isinstance(target, types.BuiltinFunctionType):
-        packet = getattr(torch.ops.aten, name, None)
-    if not isinstance(packet, ops.OpOverloadPacket):
-        return None
-    return [getattr(packet, o)._schema for o in packet.overloads()]
-
-
 def unsupported(site: SyncSite, message: str) -> None:
     """Raise Dynamo's graph-break exception with our own message (for fullgraph=True)."""
     from torch._dynamo.exc import unimplemented
