@@ -888,3 +888,71 @@ def test_builtin_that_writes_its_arguments_by_schema_is_seen_as_a_writer():
         assert_bitwise(got[0], want[0])
         assert got[1] == want[1]
     assert not cached_decisions(Action.HOISTED)
+
+
+class CachedAndHoisted(nn.Module):
+    """Cached invariant work (the cumsum of a buffer) and a hoisted sync in one graph: the runner
+    takes the guard's token in its own code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(8.0) / 7.0)
+
+    def forward(self, x, flag):
+        y = x * self.table.cumsum(0)
+        if flag.item() > 0:
+            y = y + 1
+        return y
+
+
+def test_runner_takes_the_guard_token_itself_and_refuses_a_dropped_guard(monkeypatch):
+    """The runner's generated call checks the guard token (no wrapper frame around it): with
+    nosync's guard dropped by a guard_filter_fn, a second call still raises instead of serving the
+    hoisted branch unchecked; with the guard kept (``keep_nosync_guards``) every call is checked."""
+    m, x = CachedAndHoisted(), torch.randn(8)
+    on, off = torch.tensor(1), torch.tensor(0)
+    wrappers = []
+    real = invariant.with_guard_token
+
+    def spy(compiled, ran, unguarded):
+        merged = real(compiled, ran, unguarded)
+        wrappers.append(merged)
+        return merged
+
+    monkeypatch.setattr(torchsync_pass.backend, "with_guard_token", spy)
+    f = torch.compile(m, backend="nosync", options=drop_all())
+    assert_bitwise(f(x, on), m(x, on))
+    monkeypatch.undo()
+    assert len(wrappers) == 1 and wrappers[0] is not None  # the merged call is what Dynamo runs
+    assert wrappers[0]._nosync_runner.call is not wrappers[0]
+    with pytest.raises(torchsync_pass.NosyncError, match="guard_filter_fn"):
+        f(x, off)  # the hoisted branch (flag > 0) would be taken for flag = 0
+    torch._dynamo.reset()
+    keep = torchsync_pass.keep_nosync_guards(torch.compiler.skip_all_guards_unsafe)
+    g = torch.compile(m, backend="nosync", options={**EAGER, "guard_filter_fn": keep})
+    for flag in (on, off, off, on):
+        assert_bitwise(g(x, flag), m(x, flag))
+    assert cached_decisions()
+
+
+def test_guard_token_is_not_merged_into_a_wrapper_of_the_runner():
+    """``functools.wraps`` copies the runner's marker onto a wrapper (a restore-on-error wrapper):
+    such a wrapper is not a runner's own call, so it keeps the separate token check."""
+    import functools
+
+    runner = invariant.InvariantRunner.__new__(invariant.InvariantRunner)
+    runner.leaf_index, runner.written, runner.precision_sensitive = (), (), False
+    runner.read_precisions, runner.last, runner._whole_fn = None, None, None
+    runner.step_fn = lambda *a: a
+    runner.call = invariant._fast_call_fn(runner, runner.step_fn)
+
+    @functools.wraps(runner.call)
+    def wrapper(*args):
+        return runner.call(*args)
+
+    refused = []
+    assert invariant.with_guard_token(wrapper, object(), lambda: None) is None
+    merged = invariant.with_guard_token(runner.call, type("Ran", (), {})(), lambda: refused.append(1))
+    assert merged is not None and merged is not runner.call
+    runner.miss = lambda args: (7,)
+    assert merged(1) == (1, 7) and refused == [1]  # no token left: unguarded() was called

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import _torch_private, cone, dynamo_hooks, guards, inop, rewrite
-from .invariant import cache_invariant
+from .invariant import cache_invariant, with_guard_token
 from .errors import NosyncError, NosyncOptionsError
 from .report import DECISIONS, Action, Reason
 
@@ -276,7 +276,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         record.append(entry)
         del record[: -MAX_COMPILED]
     # NOTE: after verification, which runs the graph: see Note [A guard nobody can drop silently]
-    return dynamo_hooks.require_guard(compiled)
+    return dynamo_hooks.require_guard(compiled, with_guard_token)
 
 
 def keep_nosync_guards(guard_filter_fn: Callable[[list], list]) -> Callable[[list], list]:

@@ -498,10 +498,12 @@ def is_nosync_guard(entry: Any) -> bool:
     return GUARD_NAME_PREFIX in str(getattr(entry, "name", ""))
 
 
-def require_guard(compiled: Callable) -> Callable:
+def require_guard(compiled: Callable, merge: Optional[Callable[..., Optional[Callable]]] = None) -> Callable:
     """Wrap the graph being compiled so that it refuses to run when its nosync guard was dropped.
 
-    Returns ``compiled`` itself when nothing was hoisted in this frame.
+    Returns ``compiled`` itself when nothing was hoisted in this frame. ``merge(compiled, ran,
+    unguarded)``, when given and not None, is used instead of the wrapper: ``compiled`` with the
+    same check built in (take ``ran.ok``, else call ``unguarded()``, which raises).
     """
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -515,11 +517,12 @@ def require_guard(compiled: Callable) -> Callable:
     ran = group.ran
     ran.ok = True
 
-    def run(*args: Any) -> Any:
+    def unguarded() -> None:
+        """The graph is about to run without its guard having passed since it last ran."""
         # NOTE: a group whose guards Dynamo rolled back (abandoned speculation) has no checks and
         # nothing hoisted to protect; a released one (torchsync_pass.reset()) has no checks left
         # either, but still its hoisted values
-        if not getattr(ran, "ok", False) and (group.checks or group.released_checks):
+        if group.checks or group.released_checks:
             from .errors import NosyncError
 
             what = ("; ".join(group.descriptions[:3]) if group.checks
@@ -531,6 +534,15 @@ def require_guard(compiled: Callable) -> Callable:
                 "evaluation was skipped). Keep nosync's guard in the filter with "
                 "torchsync_pass.keep_nosync_guards(your_filter), or compile without nosync."
             )
+
+    if merge is not None:  # ``compiled`` takes the token in its own code: one Python frame less per step
+        merged = merge(compiled, ran, unguarded)
+        if merged is not None:
+            return merged
+
+    def run(*args: Any) -> Any:
+        if not getattr(ran, "ok", False):
+            unguarded()
         ran.ok = False
         return compiled(*args)
 

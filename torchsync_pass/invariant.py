@@ -369,8 +369,8 @@ class InvariantRunner:
         # NOTE: a GraphModule's generated forward, not the module: nn.Module.__call__ costs
         # microseconds per call; same ops.
         self._invariant_fn = _torch_private.graph_forward(invariant)
-        step_fn = _torch_private.graph_forward(step) if isinstance(step, fx.GraphModule) else step
-        self.call = _fast_call_fn(self, step_fn)
+        self.step_fn = _torch_private.graph_forward(step) if isinstance(step, fx.GraphModule) else step
+        self.call = _fast_call_fn(self, self.step_fn)
 
     def __call__(self, *args: Any) -> Any:
         return self.call(*args)
@@ -461,7 +461,8 @@ def _autocast_state() -> tuple:
     return tuple([(d, torch.get_autocast_dtype(d)) for d in cone._autocast_devices()])
 
 
-def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable[..., Any]:
+def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any],
+                  token: Optional[tuple[Any, Callable[[], None]]] = None) -> Callable[..., Any]:
     """``call(*args)``: the step with the last call's values when this call's leaves are the very
     objects of the last call, unchanged (version, data pointer, and metadata:
     :func:`torchsync_pass.guards.same_call_expr`) under the same global state (grad mode, autocast,
@@ -473,9 +474,18 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable
     tuple of leaves, no loop, no helper call on a hit. An identity is compared before the
     fingerprint is read, so an inference tensor (no ``_version``) never reaches the fingerprint:
     it is never the object of a stored call (see ``miss``).
+
+    ``token``: ``(ran, unguarded)`` of the frame's nosync guard (:func:`with_guard_token`): the
+    call first takes the token the guard left, and calls ``unguarded()`` (which raises) when there
+    is none; the same as :func:`torchsync_pass.dynamo_hooks.require_guard`'s wrapper, without
+    a second Python frame per step.
     """
     index = runner.leaf_index
     lines = ["def call(*args):"]
+    if token is not None:
+        lines.append('    if not getattr(ran, "ok", False):')
+        lines.append("        unguarded()")
+        lines.append("    ran.ok = False")
     if runner.written:  # only a graph that writes an input pays for this check
         lines.append("    if runner.aliased(args):")
         lines.append("        return runner.run_whole(args)")
@@ -497,5 +507,18 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any]) -> Callable
     lines.append("    return step(*args, *values)")
     env = {"runner": runner, "step": step, "whole": runner._whole_fn, "counters": counters,
            "fp32_precisions": runner.read_precisions}
+    if token is not None:
+        env["ran"], env["unguarded"] = token
     exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
-    return env["call"]
+    call = env["call"]
+    call._nosync_runner = runner
+    return call
+
+
+def with_guard_token(compiled: Callable[..., Any], ran: Any, unguarded: Callable[[], None]) -> Optional[Callable[..., Any]]:
+    """``compiled`` with the guard token's check built in, when it is a runner's own call (not a
+    wrapper around one: ``functools.wraps`` copies the marker); else None."""
+    runner = getattr(compiled, "_nosync_runner", None)
+    if runner is None or runner.call is not compiled:
+        return None
+    return _fast_call_fn(runner, runner.step_fn, (ran, unguarded))
