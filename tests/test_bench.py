@@ -253,3 +253,17 @@ def test_verify_flag_runs_verify_loop_on_the_diffusion_example(tmp_path):
     modes = {m["name"]: m for m in report["modes"]}
     assert {"nosync-eager", "nosync-inductor", "inductor"} <= set(modes)
     assert all(m["first_divergence"] is None for name, m in modes.items() if name.startswith("nosync"))
+
+
+@pytest.mark.parametrize("variants", ["hoisted,fast", "split,nosync", ""])
+def test_step_overhead_refuses_unknown_variants_and_a_missing_reference(variants, capsys):
+    """benchmarks/step_overhead.py (timed on Inductor only, never in tests): usage errors."""
+    spec = importlib.util.spec_from_file_location("benchmarks_step_overhead",
+                                                  os.path.join(ROOT, "benchmarks", "step_overhead.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--variants", variants])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert ("unknown variant" in err and "fast" in err) if "fast" in variants else "must include hoisted" in err
