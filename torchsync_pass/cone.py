@@ -455,6 +455,39 @@ def _storage_key(value: Any) -> Optional[int]:
 _example = _torch_private.example_value
 
 
+def _returns_its_input(n: fx.Node) -> Optional[fx.Node]:
+    """The input node that ``n`` may return itself at run time while its trace value is a new
+    tensor; else None.
+
+    ``dropout`` (``F.dropout``, ``torch.dropout``, ``nn.Dropout``) with ``p == 0`` or not training
+    returns its input object in eager, while Dynamo's fake value for it is a copy (its
+    decomposition clones): a write to the result is a write to the input, and returning it returns
+    the input. The other dropouts' fake values alias their input as eager does.
+    """
+    if n.op != "call_function" or getattr(n.target, "__name__", None) not in ("dropout", "dropout.default"):
+        return None
+    args, kwargs = n.args, n.kwargs
+    if not args or not isinstance(args[0], fx.Node):
+        return None
+    functional = n.target is torch.nn.functional.dropout
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5 if functional else None)
+    train = args[2] if len(args) > 2 else kwargs.get("training" if functional else "train", True if functional else None)
+    if isinstance(p, (int, float)) and isinstance(train, bool) and train and p != 0:
+        return None  # a random draw into a new tensor (p == 1: zeros, new too)
+    return args[0]  # not training, p == 0, or not known at trace time: may be the input itself
+
+
+def storage_of(n: Any) -> Optional[int]:
+    """The storage of node ``n``'s tensor (its trace value's; views share their base's), followed
+    through ops that return their input at run time (:func:`_returns_its_input`); None for no tensor."""
+    while isinstance(n, fx.Node):
+        src = _returns_its_input(n)
+        if src is None:
+            return _storage_key(_example(n))
+        n = src
+    return None
+
+
 def cone_of(node: fx.Node) -> set[fx.Node]:
     """``node`` and every node it reads, directly or not: a walk back over ``all_input_nodes``."""
     cone, todo = {node}, [node]
@@ -566,7 +599,7 @@ def written_storages(graph: fx.Graph) -> set[int]:
     written: set[int] = set()
     for n in graph.nodes:
         for w in written_nodes(n):
-            key = _storage_key(_example(w))
+            key = storage_of(w)
             if key is not None:
                 written.add(key)
     return written
@@ -576,7 +609,7 @@ def hoisted_leaf_storages(graph: fx.Graph) -> set[int]:
     """The storages of the placeholders that are leaves of a hoisted sync (:func:`mark_hoisted`)."""
     out: set[int] = set()
     for n in graph.find_nodes(op="placeholder"):
-        key = _storage_key(_example(n)) if n.meta.get(HOISTED_LEAF_META) else None
+        key = storage_of(n) if n.meta.get(HOISTED_LEAF_META) else None
         if key is not None:
             out.add(key)
     return out
@@ -593,7 +626,7 @@ def hidden_writes_to_hoisted(graph: fx.Graph) -> list[tuple[Any, str]]:
     leaves: dict[int, fx.Node] = {}
     for n in graph.nodes:
         if n.op == "placeholder" and n.meta.get(HOISTED_LEAF_META):
-            key = _storage_key(_example(n))
+            key = storage_of(n)
             if key is not None:
                 leaves[key] = n
     out: list[tuple[Any, str]] = []
@@ -601,7 +634,7 @@ def hidden_writes_to_hoisted(graph: fx.Graph) -> list[tuple[Any, str]]:
         return out
     for n in graph.nodes:
         for target in hidden_written_nodes(n):
-            leaf = leaves.get(_storage_key(_example(target)))
+            leaf = leaves.get(storage_of(target))
             if leaf is not None:
                 what = f"{_target_name(n)} writes {leaf.name} without bumping _version at {_where(n)}"
                 out += [(owner, what) for owner in leaf.meta[HOISTED_LEAF_META]]
@@ -721,14 +754,14 @@ def _mutated_cone(graph: fx.Graph, leaf_nodes: list[fx.Node], cone_nodes: set[fx
     reads = leaf_nodes + [n for n in graph.nodes if n in cone_nodes]
     storages: dict[int, fx.Node] = {}
     for n in reads:
-        key = _storage_key(_example(n))
+        key = storage_of(n)
         if key is not None:
             storages.setdefault(key, n)
     if not storages:
         return None
     for n in graph.nodes:
         for target in written_nodes(n):
-            key = _storage_key(_example(target))
+            key = storage_of(target)
             if key in storages:
                 read = storages[key]
                 what = "input" if read.op == "placeholder" else "value"

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _torch_private, dynamo_hooks
-from .cone import (HOISTED_LEAF_META, ConeResult, _example, _storage_key, analyze_cone, cone_of,
+from .cone import (HOISTED_LEAF_META, ConeResult, analyze_cone, cone_of, storage_of,
                    hidden_writes_to_hoisted, hoisted_leaf_storages, mark_hoisted, state_region_of, written_storages)
 from .errors import NosyncOptionsError
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
@@ -759,7 +759,7 @@ def guard_written_inputs(graph: Any, compile_id: Optional[str]) -> None:
     written = written_storages(graph)
     sources = []
     for p in graph.find_nodes(op="placeholder"):
-        key = _storage_key(_example(p))
+        key = storage_of(p)
         if key is None or key not in written or key in leaves:
             continue
         leaf = dynamo_hooks.leaf_of(p)

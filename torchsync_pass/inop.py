@@ -417,11 +417,11 @@ def _aliased(graph: fx.Graph, node: fx.Node) -> Optional[str]:
         return None
     for n in graph.nodes:
         for w in cone.written_nodes(n):
-            if cone._storage_key(cone._example(w)) in keys:
+            if cone.storage_of(w) in keys:
                 return f"{cone._target_name(n)} writes its result in place"
     output = next(iter(graph.find_nodes(op="output")))
     for o in cone._nodes_in(output.args):
-        if cone._storage_key(cone._example(o)) in keys:
+        if cone.storage_of(o) in keys:
             return "the graph returns its result (or a view of it)"
     return None
 

@@ -144,7 +144,7 @@ def _written_inputs(graph: fx.Graph) -> tuple[int, ...]:
     """The positions of the tensor placeholders whose memory ``graph`` writes in place."""
     written = cone.written_storages(graph)
     return tuple(i for i, p in enumerate(graph.find_nodes(op="placeholder"))
-                 if cone._storage_key(cone._example(p)) in written)
+                 if cone.storage_of(p) in written)
 
 
 def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx.Node], dict[fx.Node, str], set[int]]:
@@ -152,14 +152,14 @@ def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx
     written = cone.written_storages(graph)
     output = next(iter(graph.find_nodes(op="output")))
     for o in cone._nodes_in(output.args):
-        key = cone._storage_key(cone._example(o))
+        key = cone.storage_of(o)
         if key is not None:
             written.add(key)  # returned to the caller, who may write it
     inv: set[fx.Node] = set()
     names: dict[fx.Node, str] = {}
     leaf_storages: set[int] = set()
     for n in graph.nodes:
-        key = cone._storage_key(cone._example(n))
+        key = cone.storage_of(n)
         if key is not None and key in written:
             continue
         if n.op == "placeholder":
@@ -232,7 +232,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         if n not in inv or n.op == "placeholder" or all(u in inv for u in n.users):
             continue
         ex = cone._example(n)
-        if not isinstance(ex, torch.Tensor) or cone._storage_key(ex) in leaf_storages:
+        if not isinstance(ex, torch.Tensor) or cone.storage_of(n) in leaf_storages:
             continue  # not a tensor, or a view of an input: nothing to save
         if ex.requires_grad:
             continue  # it carries this call's autograd graph: a backward would free it

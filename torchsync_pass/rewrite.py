@@ -381,7 +381,7 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
 
 
 def _key(n: torch.fx.Node) -> Optional[int]:
-    return cone._storage_key(cone._example(n))
+    return cone.storage_of(n)
 
 
 def _fresh_arms(row: torch.fx.Node, arms: list, returned: list, inputs: set) -> bool:

@@ -1,0 +1,148 @@
+"""Aliasing the trace did not show (hostile review 9, 2026-12-02).
+
+``dropout`` with ``p == 0`` or not training (``nn.Dropout(0.0)``, any dropout in eval mode) returns
+its input object in eager, while Dynamo's fake value for it is a copy: a write to the result, or
+returning it, was not seen as a write to (or a return of) the input. A cached tensor was written by
+the step at every call, a leaf written through the alias stayed invariant, a hoisted sync read the
+leaf before the write, and a rewritten row was a copy eager's write never reached. And the gather
+fusion of an unrolled lookup loop dropped ``torch.stack(rows, out=buf)``'s write into ``buf``.
+Each test fails on the commit before its fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchsync_pass
+from torchsync_pass import Action
+from test_core import assert_bitwise
+
+EAGER = {"codegen": "eager"}
+
+# Dropouts that return their input at run time: p == 0 in training, any p in eval, both spellings.
+IDENTITY_DROPOUTS = [
+    pytest.param(lambda h: nn.Dropout(0.0).train()(h), id="nn.Dropout(0)-train"),
+    pytest.param(lambda h: nn.Dropout(0.5).eval()(h), id="nn.Dropout(0.5)-eval"),
+    pytest.param(lambda h: F.dropout(h, 0.5, training=False), id="F.dropout-eval"),
+    pytest.param(lambda h: torch.dropout(h, 0.3, False), id="torch.dropout-eval"),
+]
+
+
+class CachedThenWritten(nn.Module):
+    """The step adds into a request-invariant tensor through the dropout's alias."""
+
+    def __init__(self, drop) -> None:
+        super().__init__()
+        self.register_buffer("pos", torch.arange(8.0))
+        self.drop = drop
+
+    def forward(self, x):
+        pe = torch.sin(self.pos * 0.5)  # request-invariant: cached, unless written
+        h = self.drop(pe)  # pe itself at run time
+        h += x
+        return h * 2
+
+
+@pytest.mark.parametrize("drop", IDENTITY_DROPOUTS)
+def test_cached_tensor_written_through_a_dropout_alias_is_not_cached(drop):
+    m, x = CachedThenWritten(drop), torch.ones(8)
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    for _ in range(3):  # the step's write would land in a cached sin(): call 2 would add x twice
+        assert_bitwise(f(x), m(x))
+    assert_bitwise(m.pos, torch.arange(8.0))
+
+
+class Returned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("b", torch.arange(8.0))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        c = self.b.cumsum(0) * 2
+        return self.drop(c), x + 1  # eval: c itself, handed to the caller
+
+
+def test_tensor_returned_through_a_dropout_alias_is_not_cached():
+    """The caller owns what it is returned: writing it must not change the next call's result."""
+    m, x = Returned().eval(), torch.randn(8)
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    first = f(x)[0]
+    first.mul_(0)  # the caller post-processes its output in place
+    assert_bitwise(f(x)[0], m(x)[0])
+    assert f(x)[0] is not f(x)[0]
+
+
+class Accumulates(nn.Module):
+    """A buffer written in place through the dropout's alias, then read."""
+
+    def __init__(self, hoist: bool) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(4))
+        self.drop = nn.Dropout(0.0)
+        self.hoist = hoist
+
+    def forward(self, x):
+        h = self.drop(self.acc)  # acc itself at run time
+        h += x  # writes acc (bumps its version)
+        if self.hoist:
+            if self.acc.sum() > 2:  # eager reads acc after the write
+                return x * 100
+            return x
+        return self.acc.cumsum(0) * 2 + x
+
+
+@pytest.mark.parametrize("hoist", [False, True], ids=["cached-cumsum", "hoisted-branch"])
+def test_leaf_written_through_a_dropout_alias_is_read_after_the_write(hoist):
+    mine, ref = Accumulates(hoist), Accumulates(hoist)
+    f = torch.compile(mine, backend="nosync", options={**EAGER, "invariant_cache_bytes": 0 if hoist else 1 << 20})
+    for _ in range(4):
+        assert_bitwise(f(torch.ones(4)), ref(torch.ones(4)))
+    assert_bitwise(mine.acc, ref.acc)
+
+
+class RowWritten(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = [torch.zeros(4) for _ in range(3)]
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, tok, x):
+        r = self.rows[tok[0].item()]  # a read used only as an index
+        h = self.drop(r)  # the row itself at run time
+        h += x  # eager writes self.rows[i]
+        return h * 1
+
+
+def test_row_written_through_a_dropout_alias_is_not_rewritten_to_a_copy():
+    mine, ref = RowWritten(), RowWritten()
+    f = torch.compile(mine, backend="nosync", options=EAGER)
+    tok = torch.tensor([1])
+    for _ in range(3):
+        assert_bitwise(f(tok, torch.ones(4)), ref(tok, torch.ones(4)))
+    for a, b in zip(mine.rows, ref.rows):
+        assert_bitwise(a, b)
+    assert not [d for d in torchsync_pass.decisions() if d.action is Action.REWRITTEN]
+
+
+def test_training_dropout_with_p_is_a_new_tensor_for_the_alias_analysis():
+    """p > 0 in training draws into a new tensor (a random op: nothing cached or hoisted through
+    it); writing its result is not a write to its input, as in eager."""
+    from torchsync_pass import cone
+
+    def step(x):
+        return F.dropout(x, 0.5, training=True) + 1
+
+    seen = []
+
+    def backend(gm, ex):
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target is F.dropout:
+                seen.append((cone.storage_of(n), cone.storage_of(n.args[0])))
+        return gm.forward
+
+    torch.compile(step, backend=backend)(torch.randn(4))
+    assert len(seen) == 1 and seen[0][0] != seen[0][1]
