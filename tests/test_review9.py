@@ -146,3 +146,22 @@ def test_training_dropout_with_p_is_a_new_tensor_for_the_alias_analysis():
 
     torch.compile(step, backend=backend)(torch.randn(4))
     assert len(seen) == 1 and seen[0][0] != seen[0][1]
+
+
+TAB = torch.arange(40.0).reshape(10, 4)
+
+
+def stack_into(tok, buf):
+    torch.stack([TAB[tok[i].item()] for i in range(tok.shape[0])], out=buf)
+    return buf + 0
+
+
+def test_unrolled_lookup_stacked_with_out_keeps_the_write():
+    """``torch.stack(rows, out=buf)`` after an unrolled lookup loop: the fused gather replaced the
+    stack and dropped its write into ``buf`` (zeros, or uninitialised memory, came back)."""
+    f = torch.compile(stack_into, backend="nosync", options=EAGER)
+    for i in range(3):
+        tok = torch.tensor([i, 9 - i, 5])
+        mine, ref = torch.zeros(3, 4), torch.zeros(3, 4)
+        assert_bitwise(f(tok, mine), stack_into(tok, ref))
+        assert_bitwise(mine, ref)

@@ -465,6 +465,9 @@ def fuse_gathers(gm: torch.fx.GraphModule) -> int:
             continue
         rows = st.args[0] if st.args else st.kwargs.get("tensors")
         dim = st.args[1] if len(st.args) > 1 else st.kwargs.get("dim", 0)
+        # NOTE: ``out=`` writes the stack into a tensor of the caller's: a new gather would drop it
+        if set(st.kwargs) - {"tensors", "dim"} or len(st.args) > 2:
+            continue
         if dim != 0 or not isinstance(rows, (list, tuple)) or len(rows) < 2:
             continue
         if not all(isinstance(r, torch.fx.Node) and _use(r) is not None and r.target is torch.ops.aten.index.Tensor
