@@ -165,3 +165,42 @@ def test_unrolled_lookup_stacked_with_out_keeps_the_write():
         mine, ref = torch.zeros(3, 4), torch.zeros(3, 4)
         assert_bitwise(f(tok, mine), stack_into(tok, ref))
         assert_bitwise(mine, ref)
+
+
+class Churn:
+    """Euler's ``if s_tmin <= sigma <= s_tmax`` in plain torch: a table read at the step counter,
+    compared with float arguments."""
+
+    def __init__(self, n: int = 6) -> None:
+        self.sigmas = torch.linspace(10, 0, n)
+        self._step_index = 0
+
+    def step(self, x, lo, hi):
+        sigma = self.sigmas[self._step_index]
+        g = 0.5 if lo <= sigma <= hi else 0.0
+        self._step_index += 1
+        return x * (1 + g) + sigma
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["float-changes", "dynamic=True"])
+def test_float_that_dynamo_passes_as_a_tensor_is_not_a_table_leaf(dynamic):
+    """A float Dynamo stops specialising (it changed between calls, or ``dynamic=True``) reaches the
+    graph as a 0-d tensor, while its source still holds the float: table lifting took it as a leaf,
+    and the guard's read of its ``_version`` raised ("Guard failed on the same frame it was
+    created"). diffusers' Euler with ``s_churn`` and a changed ``s_tmax`` hit it."""
+    def run(compile_):
+        outs = []
+        for lo, hi in [(0.0, 5.0), (0.0, 2.0), (1.0, 9.0), (0.0, 3.0)]:
+            s = Churn()
+            f = compile_(s.step)
+            x = torch.ones(3)
+            for _ in range(5):
+                x = f(x, lo, hi)
+                outs.append(x)
+        return outs
+
+    ref = run(lambda f: f)
+    got = run(lambda f: torch.compile(f, backend="nosync", dynamic=dynamic, options=EAGER))
+    for a, b in zip(got, ref):
+        assert_bitwise(a, b)
+    assert not [d for d in torchsync_pass.decisions() if d.action is Action.HOISTED and "hi" in d.leaves]

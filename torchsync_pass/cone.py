@@ -544,7 +544,9 @@ def analyze_cone(
         if leaf.role == "symbolic" or (syms and index is None):
             return ConeResult(False, Reason.SYMBOLIC, symbolic.describe(leaf.source, syms, leaf.example))
         if not isinstance(leaf.example, torch.Tensor):
-            return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is a {type(leaf.example).__name__}")
+            what = ("a Python scalar (or NumPy array) that Dynamo passes to the graph as a tensor"
+                    if leaf.role == "wrapped" else f"a {type(leaf.example).__name__}")
+            return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is {what}")
         name = dotted_name(leaf.source)
         decl = is_declared(name, declared)
         if leaf.example.is_inference() and not decl:

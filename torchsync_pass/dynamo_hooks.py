@@ -79,7 +79,9 @@ class Leaf:
     node: torch.fx.Node
     source: str  # guard expression over L / G, e.g. "L['self']._buffers['mask']"
     example: Any  # the real value at trace time
-    role: str  # "parameter", "buffer", "input", "attribute", "global", "symbolic", "other"
+    # "parameter", "buffer", "input", "attribute", "global", "symbolic", "other", or "wrapped": a Python
+    # scalar or NumPy array that Dynamo passes to the graph as a tensor (example None)
+    role: str
 
 
 @dataclass
@@ -202,6 +204,11 @@ def leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
         example = ga.example
     except Exception:  # example released
         return None
+    if getattr(ga, "pass_arg_as_tensor", False) and not getattr(ga, "is_tensor", True):
+        # NOTE: a Python float Dynamo no longer specialises (or an int under dynamic=True, a NumPy
+        # array) reaches the graph as a 0-d tensor it makes per call; the source still holds the
+        # scalar, which has no _version a guard could read: the leaf is that object, not a tensor
+        return Leaf(node=node, source=src, example=None, role="wrapped")
     return Leaf(node=node, source=src, example=example, role=_role(src, example))
 
 

@@ -248,3 +248,32 @@ def test_ddim_inductor_is_bitwise_equal_to_stock_inductor_on_the_device_side_ste
     assert syncs == [0] * len(syncs), syncs
     assert_bitwise(outs[2], want[2])
     assert any(d.reason is Reason.BRANCH_WHERE for d in torchsync_pass.decisions())
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["s_tmax-changes", "dynamic=True"])
+def test_euler_churn_with_a_float_dynamo_passes_as_a_tensor(dynamic):
+    """Euler's ``if s_tmin <= sigma <= s_tmax`` with ``s_churn > 0``: once Dynamo stops
+    specialising ``s_tmax`` (a new value on the second request, or ``dynamic=True``) it reaches the
+    graph as a tensor, and nosync's guard read it as one (it raised: "Guard failed on the same frame
+    it was created"). Now a float is never a leaf; the latents stay bitwise equal to eager."""
+    import diffusers
+
+    def requests(step_of):
+        s = diffusers.EulerDiscreteScheduler()
+        step = step_of(s)
+        outs = []
+        for r, kw in enumerate([dict(s_churn=0.5, s_tmax=5.0), dict(s_churn=0.5, s_tmax=2.0)]):
+            s.set_timesteps(5)
+            lat = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(r)) * s.init_noise_sigma
+            g = torch.Generator().manual_seed(100 + r)
+            for t in s.timesteps:
+                x = s.scale_model_input(lat, t)
+                lat = step(torch.tanh(x), t, lat, generator=g, return_dict=False, **kw)[0]
+                outs.append(lat)
+        return outs
+
+    ref = requests(lambda s: s.step)
+    got = requests(lambda s: torch.compile(s.step, backend="nosync", dynamic=dynamic, options={"codegen": "eager"}))
+    assert len(got) == len(ref) == 10
+    for a, b in zip(got, ref):
+        assert_bitwise(a, b)
