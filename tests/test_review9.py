@@ -204,3 +204,86 @@ def test_float_that_dynamo_passes_as_a_tensor_is_not_a_table_leaf(dynamic):
     for a, b in zip(got, ref):
         assert_bitwise(a, b)
     assert not [d for d in torchsync_pass.decisions() if d.action is Action.HOISTED and "hi" in d.leaves]
+
+
+# Views of the dropout's result: their trace values are views of the trace's copy, not of the input.
+class CachedThenWrittenThroughView(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.register_buffer("pos", torch.arange(8.0))
+        self.how = how
+
+    def forward(self, x):
+        pe = torch.sin(self.pos * 0.5)
+        h = F.dropout(pe, 0.5, training=False)  # pe itself at run time
+        if self.how == "view":
+            h.view(2, 4).add_(x.view(2, 4))
+        else:
+            h.unsqueeze(0).mul_(x)
+        return pe * 2
+
+
+@pytest.mark.parametrize("how", ["view", "unsqueeze"])
+def test_cached_tensor_written_through_a_view_of_a_dropout_alias(how):
+    m, x = CachedThenWrittenThroughView(how), torch.full((8,), 1.5)
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    for _ in range(3):
+        assert_bitwise(f(x), m(x))
+
+
+class ReturnedView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("b", torch.arange(8.0))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        c = self.b.cumsum(0) * 2
+        return self.drop(c).view(2, 4), x + 1
+
+
+def test_tensor_returned_as_a_view_of_a_dropout_alias_is_not_cached():
+    m, x = ReturnedView().eval(), torch.randn(8)
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    f(x)[0].mul_(0)  # the caller writes what it was returned
+    assert_bitwise(f(x)[0], m(x)[0])
+    assert f(x)[0].untyped_storage().data_ptr() != f(x)[0].untyped_storage().data_ptr()
+
+
+class AccumulatesThroughView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("acc", torch.zeros(4))
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        self.drop(self.acc).view(2, 2).add_(x.view(2, 2))  # writes acc
+        if self.acc.sum() > 2:
+            return x * 100
+        return x
+
+
+def test_hoisted_leaf_written_through_a_view_of_a_dropout_alias():
+    mine, ref = AccumulatesThroughView(), AccumulatesThroughView()
+    f = torch.compile(mine, backend="nosync", options={**EAGER, "invariant_cache_bytes": 0})
+    for _ in range(3):
+        assert_bitwise(f(torch.ones(4)), ref(torch.ones(4)))
+    assert_bitwise(mine.acc, ref.acc)
+
+
+def test_training_dropout_of_an_empty_tensor_returns_its_input():
+    """Eager returns an empty input itself even in training with p > 0 (nothing to draw)."""
+    from torchsync_pass import cone
+
+    seen = []
+
+    def backend(gm, ex):
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target is F.dropout:
+                seen.append((cone.storage_of(n), cone.storage_of(n.args[0])))
+        return gm.forward
+
+    x = torch.zeros(0)
+    assert F.dropout(x, 0.5, training=True) is x
+    torch.compile(lambda t: F.dropout(t, 0.5, training=True) + 1, backend=backend)(x)
+    assert len(seen) == 1 and seen[0][0] == seen[0][1]

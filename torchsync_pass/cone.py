@@ -41,6 +41,7 @@ import operator
 import re
 import struct
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -472,20 +473,50 @@ def _returns_its_input(n: fx.Node) -> Optional[fx.Node]:
     functional = n.target is torch.nn.functional.dropout
     p = args[1] if len(args) > 1 else kwargs.get("p", 0.5 if functional else None)
     train = args[2] if len(args) > 2 else kwargs.get("training" if functional else "train", True if functional else None)
-    if isinstance(p, (int, float)) and isinstance(train, bool) and train and p != 0:
-        return None  # a random draw into a new tensor (p == 1: zeros, new too)
+    numel = _example(n).numel() if isinstance(_example(n), torch.Tensor) else None
+    if isinstance(p, (int, float)) and isinstance(train, bool) and train and p != 0 and not (type(numel) is int and numel == 0):
+        return None  # a random draw into a new tensor (p == 1: zeros, new too); empty: the input
     return args[0]  # not training, p == 0, or not known at trace time: may be the input itself
 
 
-def storage_of(n: Any) -> Optional[int]:
-    """The storage of node ``n``'s tensor (its trace value's; views share their base's), followed
-    through ops that return their input at run time (:func:`_returns_its_input`); None for no tensor."""
-    while isinstance(n, fx.Node):
+# Per graph: (node count when built, {storage of a dropout's trace value: storage of its input}).
+_ALIASES: "weakref.WeakKeyDictionary[fx.Graph, tuple[int, dict[int, int]]]" = weakref.WeakKeyDictionary()
+
+
+def _run_time_aliases(graph: fx.Graph) -> dict[int, int]:
+    """``{storage of a node's trace value: storage it is at run time}`` for the nodes that return
+    their input at run time (:func:`_returns_its_input`); built once per graph (rebuilt when its
+    node count changes)."""
+    count = len(graph.nodes)
+    known = _ALIASES.get(graph)
+    if known is not None and known[0] == count:
+        return known[1]
+    aliases: dict[int, int] = {}
+    for n in graph.nodes:
         src = _returns_its_input(n)
-        if src is None:
-            return _storage_key(_example(n))
-        n = src
-    return None
+        if src is not None:
+            key, real = _storage_key(_example(n)), _storage_key(_example(src))
+            if key is not None and real is not None and key != real:
+                aliases[key] = real
+    _ALIASES[graph] = (count, aliases)
+    return aliases
+
+
+def storage_of(n: Any) -> Optional[int]:
+    """The storage node ``n``'s tensor has at run time: its trace value's (views share their base's),
+    except that the trace value of an op returning its input at run time, and every view of it, is
+    its input's storage (:func:`_returns_its_input`); None for no tensor."""
+    if not isinstance(n, fx.Node):
+        return None
+    key = _storage_key(_example(n))
+    if key is None:
+        return None
+    aliases = _run_time_aliases(n.graph)
+    for _ in range(len(aliases)):  # a dropout of a dropout: follow the chain (it cannot cycle)
+        if key not in aliases:
+            break
+        key = aliases[key]
+    return key
 
 
 def cone_of(node: fx.Node) -> set[fx.Node]:
@@ -544,7 +575,7 @@ def analyze_cone(
         if leaf.role == "symbolic" or (syms and index is None):
             return ConeResult(False, Reason.SYMBOLIC, symbolic.describe(leaf.source, syms, leaf.example))
         if not isinstance(leaf.example, torch.Tensor):
-            what = ("a Python scalar (or NumPy array) that Dynamo passes to the graph as a tensor"
+            what = ("a Python float (or NumPy scalar) that Dynamo passes to the graph as a tensor"
                     if leaf.role == "wrapped" else f"a {type(leaf.example).__name__}")
             return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is {what}")
         name = dotted_name(leaf.source)

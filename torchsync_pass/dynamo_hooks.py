@@ -80,7 +80,7 @@ class Leaf:
     source: str  # guard expression over L / G, e.g. "L['self']._buffers['mask']"
     example: Any  # the real value at trace time
     # "parameter", "buffer", "input", "attribute", "global", "symbolic", "other", or "wrapped": a Python
-    # scalar or NumPy array that Dynamo passes to the graph as a tensor (example None)
+    # float or NumPy scalar that Dynamo passes to the graph as a tensor (example None)
     role: str
 
 
@@ -205,9 +205,10 @@ def leaf_of(node: torch.fx.Node) -> Optional[Leaf]:
     except Exception:  # example released
         return None
     if getattr(ga, "pass_arg_as_tensor", False) and not getattr(ga, "is_tensor", True):
-        # NOTE: a Python float Dynamo no longer specialises (or an int under dynamic=True, a NumPy
-        # array) reaches the graph as a 0-d tensor it makes per call; the source still holds the
-        # scalar, which has no _version a guard could read: the leaf is that object, not a tensor
+        # NOTE: a Python float Dynamo no longer specialises (or a NumPy scalar) reaches the graph as
+        # a 0-d tensor it makes per call; the source still holds the scalar, which has no _version a
+        # guard could read: the leaf is not a tensor. (An int made dynamic is a SymInt, "symbolic";
+        # a NumPy array's source is Dynamo's ``___from_numpy(...)``, a new tensor every call.)
         return Leaf(node=node, source=src, example=None, role="wrapped")
     return Leaf(node=node, source=src, example=example, role=_role(src, example))
 
