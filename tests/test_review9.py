@@ -271,3 +271,77 @@ def test_training_dropout_of_an_empty_tensor_returns_its_input():
     assert F.dropout(x, 0.5, training=True) is x
     (out, inp), = dropout_storages(lambda t: F.dropout(t, 0.5, training=True) + 1, x)
     assert out == inp
+
+
+class KeywordInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pos", torch.arange(8.0))
+
+    def forward(self, x):
+        pe = torch.sin(self.pos * 0.5)
+        h = F.dropout(input=pe, p=0.0, training=True)  # Dynamo keeps the keyword: no positional args
+        h += x
+        return h * 2
+
+
+def test_dropout_with_its_input_as_a_keyword_is_followed():
+    m, x = KeywordInput(), torch.ones(8)
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    for _ in range(3):
+        assert_bitwise(f(x), m(x))
+
+
+def two_selects(x, t):
+    a = x * 2
+    d1 = F.dropout(a, 0.0, True)  # a itself at run time
+    d2 = F.dropout(a, 0.0, True)  # a itself at run time
+    y1 = d1 if t[0] > 0 else x + 1
+    y2 = d2 if t[1] > 0 else x - 1
+    return y1, y2
+
+
+def test_two_selects_whose_arms_are_one_tensor_in_eager_are_not_rewritten_to_copies():
+    """In eager ``y1 is y2`` when both tests pass (both are ``a``): selects returning two copies
+    would let a caller's write to one output miss the other."""
+    f = torch.compile(two_selects, backend="nosync", options=EAGER)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    for s in range(8):
+        t = torch.tensor([1 if s % 2 == 0 else -1, 1 if s % 3 != 1 else -1])
+        (e1, e2), (g1, g2) = two_selects(x, t), f(x, t)
+        assert (e1 is e2) == (g1 is g2)
+        e1.add_(100)
+        g1.add_(100)  # the caller post-processes its first output in place
+        assert_bitwise(g1, e1)
+        assert_bitwise(g2, e2)
+
+
+class BatchNormThroughDropout(nn.Module):
+    """A hoisted sync on a buffer that a training batch norm updates after it (behind the version
+    counter), through an identity dropout added to the graph after the sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("stats", torch.zeros(3))
+        self.register_buffer("var", torch.ones(3))
+
+    def forward(self, x, *extras):
+        for e in extras:
+            _ = e.shape[0]  # inputs read for metadata only: Dynamo removes them after tracing
+        s = 100.0 if self.stats.sum() > 1.0 else 1.0
+        rm = F.dropout(self.stats, 0.0, True)  # stats itself at run time
+        y = F.batch_norm(x, rm, self.var, None, None, True, 0.5)  # writes stats, no version bump
+        return y * s
+
+
+def test_alias_map_is_not_stale_when_the_graph_changes_after_the_sync():
+    """The map of identity dropouts was cached per graph by node count; with 6 inputs Dynamo
+    removes after tracing, the count at the sync came back, and the stale map (no dropout) hid the
+    batch norm's write to the hoisted leaf: calls 1 to 4 answered with the value before the write."""
+    mine, ref = BatchNormThroughDropout(), BatchNormThroughDropout()
+    f = torch.compile(mine, backend="nosync", options={**EAGER, "invariant_cache_bytes": 0})
+    extras = [torch.zeros(2) for _ in range(6)]
+    for i in range(5):
+        x = torch.arange(12.0).view(4, 3) + i
+        assert_bitwise(f(x, *extras), ref(x, *extras))
+    assert_bitwise(mine.stats, ref.stats)

@@ -41,7 +41,6 @@ import operator
 import re
 import struct
 import types
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -465,10 +464,11 @@ def _returns_its_input(n: fx.Node) -> Optional[fx.Node]:
     decomposition clones): a write to the result is a write to the input, and returning it returns
     the input. The other dropouts' fake values alias their input as eager does.
     """
-    if n.op != "call_function" or getattr(n.target, "__name__", None) not in ("dropout", "dropout.default"):
+    if n.op != "call_function" or n.target not in _DROPOUTS:
         return None
     args, kwargs = n.args, n.kwargs
-    if not args or not isinstance(args[0], fx.Node):
+    src = args[0] if args else kwargs.get("input")  # F.dropout(input=x): Dynamo keeps the keyword
+    if not isinstance(src, fx.Node):
         return None
     functional = n.target is torch.nn.functional.dropout
     p = args[1] if len(args) > 1 else kwargs.get("p", 0.5 if functional else None)
@@ -476,29 +476,29 @@ def _returns_its_input(n: fx.Node) -> Optional[fx.Node]:
     numel = _example(n).numel() if isinstance(_example(n), torch.Tensor) else None
     if isinstance(p, (int, float)) and isinstance(train, bool) and train and p != 0 and not (type(numel) is int and numel == 0):
         return None  # a random draw into a new tensor (p == 1: zeros, new too); empty: the input
-    return args[0]  # not training, p == 0, or not known at trace time: may be the input itself
+    return src  # not training, p == 0, or not known at trace time: may be the input itself
 
 
-# Per graph: (node count when built, {storage of a dropout's trace value: storage of its input}).
-_ALIASES: "weakref.WeakKeyDictionary[fx.Graph, tuple[int, dict[int, int]]]" = weakref.WeakKeyDictionary()
+# The dropout targets as Dynamo records them (``nn.Dropout`` is inlined to ``F.dropout``;
+# ``torch._VF.dropout`` is ``torch.dropout``); the others are built.
+_DROPOUTS = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout, torch.ops.aten.dropout.default)
 
 
 def _run_time_aliases(graph: fx.Graph) -> dict[int, int]:
     """``{storage of a node's trace value: storage it is at run time}`` for the nodes that return
-    their input at run time (:func:`_returns_its_input`); built once per graph (rebuilt when its
-    node count changes)."""
-    count = len(graph.nodes)
-    known = _ALIASES.get(graph)
-    if known is not None and known[0] == count:
-        return known[1]
+    their input at run time (:func:`_returns_its_input`).
+
+    NOTE: found afresh on every call (FX indexes nodes by target, so this costs the dropouts of the
+    graph, not its size): the graph changes between analyses (Dynamo prunes inputs, nosync rewrites),
+    and a cached map once missed a dropout added after it was built."""
     aliases: dict[int, int] = {}
-    for n in graph.nodes:
-        src = _returns_its_input(n)
-        if src is not None:
-            key, real = _storage_key(_example(n)), _storage_key(_example(src))
-            if key is not None and real is not None and key != real:
-                aliases[key] = real
-    _ALIASES[graph] = (count, aliases)
+    for target in _DROPOUTS:
+        for n in graph.find_nodes(op="call_function", target=target):
+            src = _returns_its_input(n)
+            if src is not None:
+                key, real = _storage_key(_example(n)), _storage_key(_example(src))
+                if key is not None and real is not None and key != real:
+                    aliases[key] = real
     return aliases
 
 

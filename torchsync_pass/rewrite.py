@@ -395,6 +395,10 @@ def _fresh_arms(row: torch.fx.Node, arms: list, returned: list, inputs: set) -> 
         if (k is None or k in inputs or k in returned or not isinstance(ex, torch.Tensor)
                 or _torch_private.is_view(ex) or len(a.users) != 1):
             return False  # (an arm read elsewhere, e.g. by another select, could be eager's other result)
+        # another node with this memory at run time (``d1 = F.dropout(a, 0.0)``, ``a.float()`` of a
+        # float: eager's ``a`` itself): two selects could return one object in eager, copies here
+        if any(n is not a and _key(n) == k for n in a.graph.nodes):
+            return False
     return True
 
 
