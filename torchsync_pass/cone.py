@@ -41,6 +41,7 @@ import operator
 import re
 import struct
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -488,18 +489,26 @@ def _run_time_aliases(graph: fx.Graph) -> dict[int, int]:
     """``{storage of a node's trace value: storage it is at run time}`` for the nodes that return
     their input at run time (:func:`_returns_its_input`).
 
-    NOTE: found afresh on every call (FX indexes nodes by target, so this costs the dropouts of the
-    graph, not its size): the graph changes between analyses (Dynamo prunes inputs, nosync rewrites),
-    and a cached map once missed a dropout added after it was built."""
+    NOTE: the dropouts are looked up on every call (FX indexes nodes by target: this costs the
+    dropouts of the graph, not its size), since the graph changes between analyses (Dynamo prunes
+    inputs, nosync rewrites); the map is rebuilt only when they are other nodes than last time."""
+    dropouts = tuple(n for target in _DROPOUTS for n in graph.find_nodes(op="call_function", target=target))
+    known = _ALIASES.get(graph)
+    if known is not None and known[0] == dropouts:
+        return known[1]
     aliases: dict[int, int] = {}
-    for target in _DROPOUTS:
-        for n in graph.find_nodes(op="call_function", target=target):
-            src = _returns_its_input(n)
-            if src is not None:
-                key, real = _storage_key(_example(n)), _storage_key(_example(src))
-                if key is not None and real is not None and key != real:
-                    aliases[key] = real
+    for n in dropouts:
+        src = _returns_its_input(n)
+        if src is not None:
+            key, real = _storage_key(_example(n)), _storage_key(_example(src))
+            if key is not None and real is not None and key != real:
+                aliases[key] = real
+    _ALIASES[graph] = (dropouts, aliases)
     return aliases
+
+
+# Per graph: (its dropout nodes, held so their identity stays meaningful; the map built from them).
+_ALIASES: "weakref.WeakKeyDictionary[fx.Graph, tuple[tuple, dict[int, int]]]" = weakref.WeakKeyDictionary()
 
 
 def storage_of(n: Any) -> Optional[int]:
