@@ -184,6 +184,9 @@ def test_mixed_precision_apis_do_not_raise(precision):
 @pytest.mark.parametrize("fn, sensitive", [
     (lambda a: ((a == 1).sum() + a.exp().cumsum(0)[0] * 2).any(), False),  # elementwise, reductions, indexing
     (lambda a: torch.cat([a.sin(), a.cos()]).reshape(-1).amax(), False),
+    # names whose default overload is the Python-scalar one (aten.mul.default, aten.eq.default)
+    (lambda a: torch.where(torch.eq(a, 1), a.mul(2), a.add(1).sub(a).div(3)).ne(0).sum(), False),
+    (lambda a: torch.lt(a, 2).logical_or(torch.ge(a, 3)).remainder(2).sum(), False),
     (lambda a: (a @ a).sum(), True),
     (lambda a: torch.nn.functional.linear(a, a).sum(), True),
     (lambda a: torch.linalg.inv(a), True),  # an op not on the list counts

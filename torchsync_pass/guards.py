@@ -190,6 +190,7 @@ _PRECISION_FREE = frozenset({
     "tensor", "size", "dim", "numel", "nonzero", "sort", "argsort", "topk", "cumsum", "cumprod",
     "masked_select", "tril", "triu", "diagonal", "item", "tolist", "detach", "unbind", "movedim",
     "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "scalar_tensor",
+    "where",  # ``aten.where.default`` is the one-argument form (nonzero's); ``where.self`` selects
 })
 _PRECISION_TAGS = tuple(t for t in (getattr(torch.Tag, "pointwise", None), getattr(torch.Tag, "reduction", None))
                         if t is not None)
@@ -202,12 +203,21 @@ def _precision_free_name(name: str) -> bool:
     packet = getattr(torch.ops.aten, name, None) if name.isidentifier() else None
     if packet is None or not _PRECISION_TAGS:
         return False
-    try:  # the default overload (others take Python scalars: ``aten.sum.int``), else any
-        names = packet.overloads()
-        overloads = [getattr(packet, o) for o in (["default"] if "default" in names else names)]
+    # The overloads that take a tensor: the default one where it does (others take Python
+    # scalars: ``aten.sum.int``), else any (``aten.mul.default``, ``aten.eq.default`` are the
+    # Python-scalar ones; a tensor's ``x.mul(y)``, ``torch.eq(a, b)`` run ``.Tensor``/``.Scalar``).
+    try:
+        overloads = [getattr(packet, o) for o in packet.overloads()]
+        overloads = [o for o in overloads if any(_takes_tensor(a.type) for a in o._schema.arguments)]
     except Exception:
         return False
-    return any(t in o.tags for o in overloads for t in _PRECISION_TAGS)
+    default = [o for o in overloads if o._overloadname == "default"]
+    return any(t in o.tags for o in (default or overloads) for t in _PRECISION_TAGS)
+
+
+def _takes_tensor(t: Any) -> bool:
+    """Is a schema argument's type a tensor (``Tensor``, ``Tensor?``, ``Tensor[]``)?"""
+    return "Tensor" in str(t)
 
 
 # Ops known to run no attention kernel among those a precision setting or kernel switch changes:
