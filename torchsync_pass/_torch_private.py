@@ -57,6 +57,8 @@ private name                                                     used by
 ``torch._C._get_fp32_precision_getter`` (() where missing)       :func:`fp32_precisions`
 ``torch._C._get_mkldnn_enabled``, ``_get_cudnn_enabled``, ...    :func:`fp32_precisions`
 (the kernel switches, each where present)
+``torch.backends.opt_einsum``'s wrapper ``__dict__``, ``.m``     :func:`fp32_precisions`
+(its ``enabled``/``strategy``; the public attributes where absent)
 ``torch._C._dynamo.guards.GlobalStateGuard`` (Python fallback)   :func:`global_state_now`
 ``torch._dynamo.convert_frame.initial_global_state``, its JSON   :func:`frame_entry_state`
 ``__getstate__``/``__setstate__``, ``torch._C.DisableTorchFunction``
@@ -322,17 +324,42 @@ def _tensor_match_works() -> bool:
 # changes fp32 matmul bits on a CPU with AMX/avx512_bf16). Dynamo's global-state guard does not
 # cover them. Read: the generic setting and each (backend, op) pair of the backends this build has
 # (an op's getter answers the setting in effect: a backend's "all" setter writes its ops, and an op
-# set to "none" answers its parent's), found once; () where torch has no getter (before 2.13).
+# set to "none" answers its parent's), found once; none where torch has no getter (before 2.13: the
+# kernel switches and opt_einsum's settings below are read on every release).
 _FP32_BACKENDS = {"cuda": lambda: torch.backends.cuda.is_built(), "cudnn": lambda: torch.backends.cuda.is_built(),
                   "mkldnn": lambda: torch.backends.mkldnn.is_available()}
 
 
-def _fp32_precisions_fn(attention: bool = True) -> Callable[[], tuple]:
+def _opt_einsum_state() -> Callable[[], tuple]:
+    """``() -> (enabled, strategy)`` of ``torch.backends.opt_einsum``, as ``torch.einsum`` reads
+    them when it runs to pick its contraction order (and so its bits); Dynamo guards neither.
+
+    The module object is a wrapper (``PropModule``) without descriptors: ``opt_einsum.enabled =
+    False`` sets the wrapper's own attribute, ``opt_einsum.flags(...)`` the wrapped module's global,
+    and a read takes the first of the two; read here the same way from both dicts (0.1 us, against
+    2 to 5 us through the wrapper's ``__getattr__``), else through the attributes.
+    """
+    from torch.backends import opt_einsum as w
+
+    d, g = getattr(w, "__dict__", None), getattr(getattr(w, "m", None), "__dict__", None)
+
+    def slow() -> tuple:
+        return (w.enabled, getattr(w, "strategy", None))
+
+    if (isinstance(d, dict) and isinstance(g, dict) and "enabled" in g and "strategy" in g
+            and not hasattr(type(w), "enabled") and not hasattr(type(w), "strategy")):
+        def fast() -> tuple:
+            return (d["enabled"] if "enabled" in d else g["enabled"], d["strategy"] if "strategy" in d else g["strategy"])
+
+        if fast() == slow():
+            return fast
+    return slow
+
+
+def _fp32_precisions_fn(attention: bool = True, einsum: bool = True) -> Callable[[], tuple]:
     get = getattr(torch._C, "_get_fp32_precision_getter", None)
-    if get is None:
-        return tuple
-    candidates = [("generic", "all")]
-    for b, built in _FP32_BACKENDS.items():
+    candidates = [("generic", "all")] if get is not None else []  # no per-backend precisions before 2.13
+    for b, built in (_FP32_BACKENDS.items() if get is not None else ()):
         try:
             if built():
                 candidates += [(b, o) for o in ("matmul", "conv", "rnn")]
@@ -361,6 +388,9 @@ def _fp32_precisions_fn(attention: bool = True) -> Callable[[], tuple]:
         switches[n] = fn
         # a list (the SDPA priority order) becomes a tuple: the state is a dict key
         calls.append(f"tuple({n}())" if isinstance(v, list) else f"{n}()")
+    if einsum:
+        switches["opt_einsum"] = _opt_einsum_state()
+        calls.append("opt_einsum()")
     if not calls:
         return tuple
     # one straight-line tuple of C calls: this runs per call where a cone or cached tensor does a matmul
@@ -390,9 +420,13 @@ _GPU_BACKEND_SWITCHES = ("_get_blas_preferred_backend", "_get_linalg_preferred_b
                          "_get_rocm_fa_preferred_backend")
 fp32_precisions: Callable[[], tuple] = _fp32_precisions_fn()
 fp32_precisions.__doc__ = ("The per-backend fp32 precision settings, one string per (backend, op) this torch "
-                           "has, then the backend switches that pick a convolution, matmul or attention kernel.")
-fp32_precisions_no_attention: Callable[[], tuple] = _fp32_precisions_fn(attention=False)
-fp32_precisions_no_attention.__doc__ = ":func:`fp32_precisions` without the attention kernels' switches."
+                           "has, then the backend switches that pick a convolution, matmul or attention kernel, "
+                           "and torch.backends.opt_einsum's (enabled, strategy).")
+fp32_precisions_no_attention: Callable[[], tuple] = _fp32_precisions_fn(attention=False, einsum=False)
+fp32_precisions_no_attention.__doc__ = (":func:`fp32_precisions` without the attention kernels' switches and "
+                                        "opt_einsum's settings.")
+fp32_precisions_einsum: Callable[[], tuple] = _fp32_precisions_fn(attention=False, einsum=True)
+fp32_precisions_einsum.__doc__ = ":func:`fp32_precisions` without the attention kernels' switches."
 
 # What :func:`float32_matmul_precision` answers when the legacy and per-backend APIs were mixed.
 MIXED_PRECISION = "mixed legacy and per-backend settings"

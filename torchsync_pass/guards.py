@@ -186,10 +186,10 @@ _PRECISION_FREE = frozenset({
     "expand_as", "squeeze", "unsqueeze", "flatten", "unflatten", "split", "chunk", "narrow", "select",
     "index_select", "gather", "take", "cat", "stack", "roll", "flip", "repeat", "tile", "clone", "to",
     "float", "double", "half", "bfloat16", "int", "long", "bool", "type", "type_as", "embedding",
-    "arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like",
+    "arange", "zeros", "ones", "full", "zeros_like", "ones_like", "full_like",
     "tensor", "size", "dim", "numel", "nonzero", "sort", "argsort", "topk", "cumsum", "cumprod",
     "masked_select", "tril", "triu", "diagonal", "item", "tolist", "detach", "unbind", "movedim",
-    "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "scalar_tensor",
+    "new_zeros", "new_ones", "new_full", "new_tensor", "scalar_tensor",
     "where",  # ``aten.where.default`` is the one-argument form (nonzero's); ``where.self`` selects
 })
 _PRECISION_TAGS = tuple(t for t in (getattr(torch.Tag, "pointwise", None), getattr(torch.Tag, "reduction", None))
@@ -230,19 +230,27 @@ _NO_ATTENTION = frozenset({
 })
 
 
+# Ops whose result is uninitialized memory, unless deterministic algorithms fill it
+# (``torch.utils.deterministic.fill_uninitialized_memory``: a kernel switch nothing else guards).
+_UNINITIALIZED = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+
+
 def precision_reader(graph: Any) -> Optional[Callable[[], tuple]]:
     """What to read on every call so that a precision setting (``torch.backends.*.fp32_precision``)
     or a kernel switch that can change what ``graph`` computes is seen: None when none can,
-    :func:`_torch_private.fp32_precisions_no_attention` when only matmuls and convolutions can,
-    else :func:`_torch_private.fp32_precisions` (an attention op, or any op nosync does not know)."""
+    :func:`_torch_private.fp32_precisions_no_attention` when only matmuls, convolutions and
+    uninitialized allocations (``torch.empty``) can, :func:`_torch_private.fp32_precisions_einsum`
+    when an einsum can also (opt_einsum's settings pick its contraction order), else
+    :func:`_torch_private.fp32_precisions` (an attention op, or any op nosync does not know)."""
+    partial, einsum = _torch_private.fp32_precisions_no_attention, _torch_private.fp32_precisions_einsum
     reader = None
     for n in graph.nodes:
         if n.op in ("placeholder", "output", "get_attr"):
             continue
         t = n.target
         if n.op == "call_function" and getattr(t, "__module__", None) in ("_operator", "operator"):
-            if t in (operator.matmul, operator.imatmul):
-                reader = _torch_private.fp32_precisions_no_attention
+            if t in (operator.matmul, operator.imatmul) and reader is None:
+                reader = partial
             continue
         if n.op not in ("call_function", "call_method"):
             return _torch_private.fp32_precisions
@@ -250,9 +258,9 @@ def precision_reader(graph: Any) -> Optional[Callable[[], tuple]]:
         if not isinstance(name, str):
             return _torch_private.fp32_precisions
         if not _precision_free_name(name):
-            if name not in _NO_ATTENTION:
+            if name not in _NO_ATTENTION and name not in _UNINITIALIZED:
                 return _torch_private.fp32_precisions
-            reader = _torch_private.fp32_precisions_no_attention
+            reader = einsum if name == "einsum" or reader is einsum else partial
     return reader
 
 

@@ -1,0 +1,140 @@
+"""Global state that picks bits but was not in the state key (hostile review 10, 2026-12-03).
+
+``torch.einsum`` reads ``torch.backends.opt_einsum.enabled``/``.strategy`` when it runs (its
+contraction order, so its rounding), and ``torch.empty`` under deterministic algorithms reads
+``torch.utils.deterministic.fill_uninitialized_memory``; Dynamo guards neither, and nosync's
+per-call state check did not read them, so a cached tensor or a hoisted value computed under the
+old setting was served after a switch. And on torch before 2.13 (no per-backend precision getter)
+the kernel switches were not read at all. Each test fails on the commit before its fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.deterministic as deterministic
+from torch import nn
+
+import torchsync_pass
+from torchsync_pass import _torch_private
+from torchsync_pass.guards import precision_reader
+from test_core import assert_bitwise
+
+EAGER = {"codegen": "eager"}
+
+
+class Einsum(nn.Module):
+    """A cached einsum and a hoisted one; opt_einsum's path gives other bits than left to right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("A", torch.randn(3, 40, generator=g))
+        self.register_buffer("B", torch.randn(40, 40, generator=g))
+        self.register_buffer("C", torch.randn(40, 2, generator=g))
+
+    def forward(self, x, mask):
+        t = torch.einsum("ij,jk,kl->il", self.A, self.B, self.C)  # cached (invariant)
+        s = torch.einsum("ij,jk,kl->", self.A, self.B, self.C).item()  # hoisted
+        if (mask == 0).any():
+            x = x * 2
+        return x + t + s
+
+
+@pytest.mark.parametrize("cache", [64 << 20, 0], ids=["cached", "hoisted-only"])
+def test_opt_einsum_switch_between_calls(cache):
+    pytest.importorskip("opt_einsum")
+    oe = torch.backends.opt_einsum
+    assert oe.is_available()
+    m, x, mask = Einsum(), torch.randn(3, 2), torch.tensor([1, 0])
+    before = oe.enabled, oe.strategy
+    try:
+        oe.enabled, oe.strategy = True, "auto"
+        c = torch.compile(m, backend="nosync", options={**EAGER, "invariant_cache_bytes": cache})
+        with torch.no_grad():
+            on = m(x, mask)
+            assert_bitwise(c(x, mask), on)
+            assert_bitwise(c(x, mask), on)
+            oe.enabled = False  # eager now contracts left to right
+            off = m(x, mask)
+            assert not torch.equal(on, off)  # the switch does change these bits
+            assert_bitwise(c(x, mask), off)
+            assert_bitwise(c(x, mask), off)
+            oe.enabled, oe.strategy = True, "optimal"
+            assert_bitwise(c(x, mask), m(x, mask))
+    finally:
+        oe.enabled = before[0]
+        if before[0]:
+            oe.strategy = before[1]
+
+
+def test_fill_uninitialized_memory_switch_between_calls():
+    class Empty(nn.Module):
+        def forward(self, x, mask):
+            e = torch.isnan(torch.empty(1000)).float().sum()  # no input: cached
+            if (mask == 0).any():
+                x = x * 2
+            return x + e
+
+    m, x, mask = Empty(), torch.zeros(2), torch.tensor([1, 0])
+    det, fill = torch.are_deterministic_algorithms_enabled(), deterministic.fill_uninitialized_memory
+    try:
+        torch.use_deterministic_algorithms(True)
+        deterministic.fill_uninitialized_memory = False
+        c = torch.compile(m, backend="nosync", options=EAGER)
+        with torch.no_grad():
+            c(x, mask)  # uninitialized memory: any value
+            for _ in range(2):
+                deterministic.fill_uninitialized_memory = True
+                assert_bitwise(c(x, mask), torch.full((2,), 1000.0))  # NaN-filled: every element counts
+                assert_bitwise(c(x, mask), m(x, mask))
+                deterministic.fill_uninitialized_memory = False
+                c(x, mask)
+    finally:
+        torch.use_deterministic_algorithms(det)
+        deterministic.fill_uninitialized_memory = fill
+
+
+@pytest.mark.parametrize("fn, reader", [
+    (lambda a: torch.einsum("ij,jk->ik", a, a), "einsum"),
+    (lambda a: (torch.einsum("ij,jk->ik", a, a) @ a).sum(), "einsum"),  # a matmul after: still einsum's
+    (lambda a: (a @ torch.einsum("ij,jk->ik", a, a)).sum(), "einsum"),  # and before
+    (lambda a: torch.empty(a.size()).add(a), "partial"),
+    (lambda a: torch.empty_like(a) + a.new_empty((3, 3)), "partial"),
+    (lambda a: (a @ a).sum(), "partial"),
+    (lambda a: (a * 2).sum(), None),
+])
+def test_graphs_read_the_switches_their_ops_depend_on(fn, reader):
+    expected = {"einsum": _torch_private.fp32_precisions_einsum, "partial": _torch_private.fp32_precisions_no_attention,
+                None: None}[reader]
+    assert precision_reader(torch.fx.symbolic_trace(fn).graph) is expected
+
+
+def test_state_readers_follow_opt_einsum_and_the_fill_switch():
+    oe = torch.backends.opt_einsum
+    full, with_einsum = _torch_private.fp32_precisions, _torch_private.fp32_precisions_einsum
+    partial = _torch_private.fp32_precisions_no_attention
+    fill = deterministic.fill_uninitialized_memory
+    try:
+        for reader in (full, with_einsum, partial):
+            now = reader()
+            deterministic.fill_uninitialized_memory = not fill
+            assert reader() != now
+            deterministic.fill_uninitialized_memory = fill
+    finally:
+        deterministic.fill_uninitialized_memory = fill
+    assert full()[-1] == with_einsum()[-1] == (oe.enabled, oe.strategy)
+
+
+def test_kernel_switches_read_without_the_precision_getter(monkeypatch):
+    """torch before 2.13 has no per-backend precision getter: the kernel switches still count."""
+    monkeypatch.delattr(torch._C, "_get_fp32_precision_getter", raising=False)
+    for attention, einsum in [(True, True), (False, False), (False, True)]:
+        reader = _torch_private._fp32_precisions_fn(attention=attention, einsum=einsum)
+        now, enabled = reader(), torch.backends.mkldnn.enabled
+        try:
+            torch.backends.mkldnn.enabled = not enabled
+            assert reader() != now
+        finally:
+            torch.backends.mkldnn.enabled = enabled
+        assert reader() == now
