@@ -138,3 +138,49 @@ def test_kernel_switches_read_without_the_precision_getter(monkeypatch):
         finally:
             torch.backends.mkldnn.enabled = enabled
         assert reader() == now
+
+
+class SortedRequest(nn.Module):
+    """``torch.sort`` of a request tensor: TorchScript's list overloads (``aten::sort.int(int[](a!)
+    self)``) made every sort look like a write to its input, so the sync was rejected."""
+
+    def forward(self, x, mask):
+        s, _ = torch.sort(mask)
+        if (mask == 0).any():
+            x = x * 2
+        return x + s
+
+
+def test_sort_is_not_a_write_to_its_input():
+    m, x, mask = SortedRequest(), torch.randn(3), torch.tensor([1, 0, 2])
+    c = torch.compile(m, backend="nosync", options=EAGER)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_bitwise(c(x, mask), m(x, mask))
+        mask.fill_(1)  # a write between calls: the new answer
+        assert_bitwise(c(x, mask), m(x, mask))
+    actions = {(d.action, d.reason) for d in torchsync_pass.decisions()}
+    assert (torchsync_pass.Action.HOISTED, torchsync_pass.Reason.INVARIANT_CONE) in actions
+    assert not any(d.reason is torchsync_pass.Reason.MUTATION for d in torchsync_pass.decisions())
+
+
+def test_sort_with_out_still_writes_its_outputs():
+    from torchsync_pass import cone
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(t, v, i):
+        torch.sort(t, out=(v, i))
+        return torch.sort(t)[0] + v
+
+    t = torch.tensor([3.0, 1.0, 2.0])
+    torch.compile(f, backend=capture)(t, torch.empty(3), torch.empty(3, dtype=torch.long))
+    sorts = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target is torch.sort]
+    assert len(sorts) == 2
+    written = [sorted(w.name for w in cone.written_nodes(n)) for n in sorts]
+    assert sorted(map(len, written)) == [0, 2]  # the out= one writes v and i, never t
+    assert all(not any("t" == w.split("_")[1] for w in ws) for ws in written)

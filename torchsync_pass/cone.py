@@ -236,11 +236,23 @@ def _schema_writes(schema: Any, node: fx.Node) -> list[fx.Node]:
         info = getattr(arg, "alias_info", None)
         if info is None or not info.is_write:
             continue
-        if pos < len(node.args):
-            written += _nodes_in(node.args[pos])
+        if pos < len(node.args) and not getattr(arg, "kwarg_only", False):
+            value = node.args[pos]
         elif arg.name in node.kwargs:
-            written += _nodes_in(node.kwargs[arg.name])
+            value = node.kwargs[arg.name]
+        else:
+            continue
+        if _list_param_given_a_tensor(arg, value):
+            continue  # TorchScript's list overloads (``aten::sort.int(int[](a!) self)``): not this call's
+        written += _nodes_in(value)
     return written
+
+
+def _list_param_given_a_tensor(arg: Any, value: Any) -> bool:
+    """Is ``value`` one node traced as a single tensor, passed where ``arg`` is a list
+    (``Tensor[]``, ``int[]``, ``t[]``: ``List[...]``)? Then the overload cannot be the one that runs."""
+    return (str(arg.type).startswith("List[") and isinstance(value, fx.Node)
+            and isinstance(_torch_private.example_value(value), torch.Tensor))
 
 
 def _inplace_flag(node: fx.Node) -> bool:
