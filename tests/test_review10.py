@@ -184,3 +184,49 @@ def test_sort_with_out_still_writes_its_outputs():
     written = [sorted(w.name for w in cone.written_nodes(n)) for n in sorts]
     assert sorted(map(len, written)) == [0, 2]  # the out= one writes v and i, never t
     assert all(not any("t" == w.split("_")[1] for w in ws) for ws in written)
+
+
+def _branchy(x, m):
+    return x + 1 if m.any() else x - 1
+
+
+@pytest.mark.parametrize("inner", ["nosync", "object"])
+def test_compile_counter_with_backend_around_nosync(inner):
+    """torch._dynamo.testing.CompileCounterWithBackend keeps its backend (a name or an object) in
+    ``.backend``: the hooks did not find nosync there, and the frame was traced as stock."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    be = CompileCounterWithBackend("nosync" if inner == "nosync" else torchsync_pass.NosyncBackend(EAGER))
+    x, m = torch.randn(4), torch.ones(4, dtype=torch.bool)
+    g = torch.compile(_branchy, backend=be)
+    assert_bitwise(g(x, m), _branchy(x, m))
+    expected = _branchy(x, m)
+    with torchsync_pass.count_syncs(profiler=False) as c:
+        out = g(x, m)
+    assert_bitwise(out, expected)
+    assert c.total == 0 and be.frame_count == 1
+    assert any(d.action is torchsync_pass.Action.HOISTED for d in torchsync_pass.decisions())
+
+
+class _Hiding:
+    """A backend wrapper that keeps nosync under a name the hooks do not look at."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        return self.inner(gm, example_inputs, **kwargs)
+
+
+def test_a_hidden_nosync_backend_is_never_silent(monkeypatch):
+    import torchsync_pass.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "_WARNED_HIDDEN", [])
+    x, m = torch.randn(4), torch.ones(4, dtype=torch.bool)
+    g = torch.compile(_branchy, backend=_Hiding(torchsync_pass.NosyncBackend(EAGER)))
+    with pytest.warns(UserWarning, match="hides the nosync backend"):
+        assert_bitwise(g(x, m), _branchy(x, m))
+    torch._dynamo.reset()
+    g = torch.compile(_branchy, backend=_Hiding(torchsync_pass.NosyncBackend({**EAGER, "strict": True})))
+    with pytest.raises(Exception, match="hides the nosync backend"):
+        g(x, m)

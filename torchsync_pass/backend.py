@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -236,6 +237,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         log.warning("nosync: ignoring unknown backend keyword argument(s): %s", ", ".join(sorted(extra)))
     if mode is not None and mode not in MODES:
         raise NosyncOptionsError(f"nosync: unknown mode {mode!r}; valid modes are: {', '.join(MODES)}")
+    if dynamo_hooks.backend_hidden():
+        _hidden_backend(opts)
     # NOTE: also here, not only at sync sites: invariant caching reads the declared names too
     guards.check_declared_names(*dynamo_hooks.current_frame(), opts)
     compile_id = dynamo_hooks.current_compile_id()
@@ -277,6 +280,25 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         del record[: -MAX_COMPILED]
     # NOTE: after verification, which runs the graph: see Note [A guard nobody can drop silently]
     return dynamo_hooks.require_guard(compiled, with_guard_token)
+
+
+def _hidden_backend(opts: Options) -> None:
+    """The frame reached nosync through a backend wrapper the hooks could not see through: its
+    syncs were traced as stock Dynamo traces them. Never silent: an error under ``strict``, else a
+    warning (once per process)."""
+    msg = ("nosync: this frame was compiled through a backend wrapper that hides the nosync backend "
+           "from its tracing hooks, so no sync in it was hoisted or rewritten (the graph is stock "
+           "Dynamo's). Pass backend='nosync' (or a NosyncBackend) to torch.compile directly, or give "
+           "the wrapper an attribute `compiler_fn` (or `__wrapped__`) holding the nosync backend.")
+    if opts.strict:
+        raise NosyncError(msg)
+    if not _WARNED_HIDDEN:
+        _WARNED_HIDDEN.append(True)
+        warnings.warn(msg, stacklevel=2)
+    log.warning(msg)
+
+
+_WARNED_HIDDEN: list = []
 
 
 def keep_nosync_guards(guard_filter_fn: Callable[[list], list]) -> Callable[[list], list]:

@@ -148,9 +148,38 @@ def _unwrap_backend(fn: Any) -> tuple[Any, dict]:
         kw = getattr(fn, "kwargs", None)
         if isinstance(kw, dict) and not kwargs:
             kwargs = dict(kw)
-        fn = next((c for attr in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__")
-                   if (c := getattr(fn, attr, None)) is not None and c is not fn), None)
+        # NOTE: ``backend``: torch._dynamo.testing.CompileCounterWithBackend's attribute, a name
+        # it looks up per compile
+        fn = next((c for attr in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__", "backend")
+                   if (c := _registered(getattr(fn, attr, None))) is not None and c is not fn), None)
     return None, {}
+
+
+def _registered(c: Any) -> Any:
+    """A backend by object or by registered name (a name not registered, or not a backend: None)."""
+    if isinstance(c, str):
+        from ._torch_private import lookup_backend
+
+        try:
+            return lookup_backend(c)
+        except Exception:
+            return None
+    return c if callable(c) else None
+
+
+def backend_hidden() -> bool:
+    """True when the frame being compiled reached nosync's backend through a wrapper the hooks
+    cannot see into (its options were not found, so nothing was hoisted or rewritten in it);
+    False under a visible nosync backend, outside a trace, or while nosync compiles for itself."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    if _policy is None or getattr(_state, "busy", False):
+        return False
+    try:
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # not inside a trace (a backend called directly)
+        return False
+    return tx is not None and _nosync_options(tx) is None
 
 
 def _nosync_options(tx: Any) -> Any:
