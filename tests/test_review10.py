@@ -230,3 +230,111 @@ def test_a_hidden_nosync_backend_is_never_silent(monkeypatch):
     g = torch.compile(_branchy, backend=_Hiding(torchsync_pass.NosyncBackend({**EAGER, "strict": True})))
     with pytest.raises(Exception, match="hides the nosync backend"):
         g(x, m)
+
+
+# -- device-side rewrites: what the gather would not reproduce (review 10, third helper) --------
+class _Doubling(torch.Tensor):
+    """Indexing through ``__torch_function__``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is torch.Tensor.__getitem__ else out
+
+
+class _Tripling(torch.Tensor):
+    """Indexing through a Python ``__getitem__``."""
+
+    def __getitem__(self, i):
+        return super().__getitem__(i) * 3
+
+
+class _PlusOne(torch.Tensor):
+    """``int()``/``operator.index()`` through ``__torch_function__``."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out + 1 if func in (torch.Tensor.__int__, torch.Tensor.__index__) else out
+
+
+class _Plain(torch.Tensor):
+    pass
+
+
+class _ItemPlusOne(torch.Tensor):
+    def item(self):
+        return super().item() + 1
+
+
+_W = torch.arange(12.0).reshape(6, 2)
+_ROWS = [torch.full((2,), float(k)) for k in range(6)]
+
+
+def _compare_with_eager(fn, *args):
+    """Eager's bits; the result's class is stock Dynamo's (it drops a subclass eager keeps)."""
+    expected = fn(*args)
+    stock = torch.compile(fn, backend="eager")(*args)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="nosync", options=EAGER)(*args)
+    assert type(out) is type(stock)
+    assert_bitwise(out.as_subclass(torch.Tensor), expected.as_subclass(torch.Tensor))
+
+
+@pytest.mark.parametrize("cls", [_Doubling, _Tripling], ids=["torch_function", "python_getitem"])
+def test_a_subclass_table_indexes_its_own_way(cls):
+    table = torch.arange(12.0).reshape(6, 2).as_subclass(cls)
+    _compare_with_eager(lambda tok: table[tok.item()] + 0, torch.tensor(3))
+
+
+@pytest.mark.parametrize("cls", [_Plain, _PlusOne])
+@pytest.mark.parametrize("read", ["int", "index"])
+def test_a_subclass_index_converts_its_own_way(cls, read):
+    import operator
+
+    if read == "int":
+        def fn(tok):
+            return _W[int(tok)] * 1
+    else:
+        def fn(tok):
+            return _ROWS[operator.index(tok)] * 1
+    _compare_with_eager(fn, torch.tensor(2).as_subclass(cls))
+
+
+def test_a_hoisted_item_applies_a_python_override_once():
+    _compare_with_eager(lambda tok: _W[tok.item()] * 1, torch.tensor(2).as_subclass(_ItemPlusOne))
+
+
+@pytest.mark.parametrize("form", ["item", "subscript", "list", "loop"])
+def test_rows_without_elements_still_raise_out_of_range(form):
+    if form == "item":
+        def fn(tab, t):
+            return tab[t.item()] + 0
+        tab, bad = torch.zeros(10, 0), torch.tensor(12)
+    elif form == "subscript":
+        def fn(tab, t):
+            return tab[t] + 0
+        tab, bad = torch.zeros(10, 0), torch.tensor(-11)
+    elif form == "list":
+        def fn(tab, t):
+            return tab[t.item()] + 0
+        tab, bad = [torch.zeros(0)] * 10, torch.tensor(12)
+    else:
+        def fn(tab, tok):
+            return torch.stack([tab[tok[i].item()] for i in range(tok.shape[0])])
+        tab, bad = torch.zeros(10, 0), torch.tensor([1, 10])
+    c = torch.compile(fn, backend="nosync", options=EAGER)
+    assert_bitwise(c(tab, torch.zeros_like(bad)), fn(tab, torch.zeros_like(bad)))
+    with pytest.raises(IndexError):
+        fn(tab, bad)
+    with pytest.raises(IndexError):
+        c(tab, bad)
+
+
+@pytest.mark.parametrize("form", ["item", "subscript"])
+def test_a_negative_view_index_is_not_gathered(form):
+    key = torch._neg_view(torch.tensor(2))
+    if form == "item":
+        _compare_with_eager(lambda t: _W[t.item()] * 1, key)
+    else:
+        _compare_with_eager(lambda t: _W[t] * 1, key)

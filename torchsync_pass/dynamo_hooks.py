@@ -104,6 +104,9 @@ class SyncSite:
     # `if lo <= x <= hi:` share one position and are two syncs (0: the last one).
     occurrence: int = 0
     frame_locals: Any = None  # the compiled frame's real arguments (to check declared names)
+    # The Python class of the tensor read (a subclass: Dynamo turns ``int(t)``/``bool(t)`` into
+    # its own read, without the subclass's ``__int__``/``__bool__`` or ``__torch_function__``)
+    tensor_class: Any = torch.Tensor
     leaves: list[Leaf] = field(default_factory=list)
     _tx: Any = None  # the translator; opaque outside this module
 
@@ -287,6 +290,7 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
         frame_compile=_frame_compile_index(),
         occurrence=_later_twins(utx, inst),
         frame_locals=getattr(output.root_tx, "f_locals", None),
+        tensor_class=_python_type(var),
         _tx=tx,
     )
     site.leaves = [leaf for n in node.graph.find_nodes(op="placeholder") if (leaf := leaf_of(n)) is not None]
@@ -984,6 +988,9 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
         return None, None
     if any(not isinstance(d, int) for d in ex.shape) or ex.numel() != 1:
         return None, ("REWRITE_OTHER_USE", "the index tensor has symbolic or non-scalar size")
+    key_problem = _key_problem(var, ex)
+    if key_problem is not None:
+        return None, ("REWRITE_OTHER_USE", key_problem)
     if _user_translator(tx) is not tx or not _direct_call(tx, kind):
         return None, ("REWRITE_OTHER_USE", "the read is not a direct .item()/int() call in user code")
     if tx.output.current_tracer is not tx.output.root_tracer:
@@ -1025,6 +1032,8 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
             if real is not None and not _torch_private_is_fake(real) and _python_differs(real):
                 return None, ("REWRITE_TABLE", f"a tensor of {src} is a {type(real).__name__} or has a .grad or "
                               "Python attributes: eager's row is that object, a gathered row a plain copy")
+            if iex.numel() == 0:
+                return None, ("REWRITE_TABLE", f"the tensors of {src} have no elements: {_EMPTY_ROWS}")
             metas.add((tuple(iex.shape), iex.dtype, iex.device,
                        tuple(iex.stride()) == _contiguous_strides(iex.shape)))
         meta = next(iter(metas)) if len(metas) == 1 else None
@@ -1035,11 +1044,41 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
     return table, RewriteUse("list", src, len(items))
 
 
+# ``aten.index`` checks the index's range only while copying elements: none to copy, no error
+_EMPTY_ROWS = "eager's out-of-range index raises, a gather of nothing would not"
+# the tensor classes whose indexing and integer conversion are torch.Tensor's own
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _python_type(v: Any) -> Any:
+    try:
+        return v.python_type()
+    except Exception:
+        return None
+
+
+def _key_problem(var: Any, ex: torch.Tensor) -> Optional[str]:
+    """Why the index tensor ``var`` (traced value ``ex``) cannot be gathered with (None: it can)."""
+    cls = _python_type(var)
+    if cls not in _PLAIN_TENSOR_TYPES:
+        name = getattr(cls, "__name__", "tensor of unknown class")
+        return f"the index is a {name}: its own conversion to an integer would not run"
+    if ex.is_neg() or ex.is_conj():
+        return "the index is a lazy negative or conjugate view: a gather would not apply the bit"
+    return None
+
+
 def _tensor_table_problem(table: Any, src: str, device: torch.device) -> Optional[str]:
     """Why a gather of one row of the tensor ``table`` would not be eager's row (None: it would)."""
     tex = table.as_proxy().node.meta.get("example_value")
     if not isinstance(tex, torch.Tensor) or tex.dim() == 0 or not all(isinstance(d, int) for d in tex.shape):
         return "a 0-d tensor or a tensor with symbolic sizes"
+    cls = _python_type(table)
+    if cls not in _PLAIN_TENSOR_TYPES:
+        name = getattr(cls, "__name__", "tensor of unknown class")
+        return f"{src} is a {name}: its own indexing would not run"
+    if tex.numel() == 0:
+        return f"rows of {src} have no elements: {_EMPTY_ROWS}"
     if tex.shape[0] == 0 or tuple(tex.stride()[1:]) != _contiguous_strides(tex.shape[1:]):
         return f"rows of {src} are not contiguous: eager's row would be a strided view"
     if tex.device != device:
@@ -1161,6 +1200,8 @@ def _try_subscript(tx: Any) -> bool:
     table = _peek_tensor(tx.stack[-2])
     if table is None or _user_translator(tx) is not tx or tx.output.current_tracer is not tx.output.root_tracer:
         return False
+    if _python_type(key) not in _PLAIN_TENSOR_TYPES:
+        return False  # a subclass's own __index__: Dynamo's handler
     if _in_torch_function_mode(tx):
         return False  # a mode may serve Tensor.__getitem__ itself: Dynamo's handler dispatches it
     src = _source_name(getattr(table, "source", None)) or "<a value built in the step>"
@@ -1172,6 +1213,10 @@ def _try_subscript(tx: Any) -> bool:
     problem = _tensor_table_problem(table, src, ex.device)
     if problem is not None:
         _rewriter.kept(site, "REWRITE_TABLE", problem)
+        return False
+    problem = _key_problem(key, ex)
+    if problem is not None:
+        _rewriter.kept(site, "REWRITE_OTHER_USE", problem)
         return False
     why = user_handler(tx, tx.current_instruction)
     if why is not None:  # an index out of range would raise inside the graph

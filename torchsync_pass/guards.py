@@ -57,14 +57,24 @@ counters = _torch_private.nosync_counters
 # ----------------------------------------------------------------------------------------------
 # Values
 # ----------------------------------------------------------------------------------------------
+# NOTE: torch.Tensor's own methods, not ``t.item()``/``bool(t)``: a cone that returns its leaf
+# returns the caller's object, and a subclass's Python override (``def item(self): return
+# super().item() + 1``) was already traced by Dynamo around the read (the read is its inner
+# ``Tensor.item``): calling the override again would apply it twice. Looked up on the class at
+# each call, not bound here: count_syncs wraps them there, and books a guard's read to its site.
 _CONVERT: dict[str, Callable[[torch.Tensor], Any]] = {
-    "item": lambda t: t.item(),
-    "tolist": lambda t: t.tolist(),
-    "bool": bool,
-    "int": int,
-    "float": float,
-    "index": operator.index,
+    "item": lambda t: torch.Tensor.item(t),
+    "tolist": lambda t: torch.Tensor.tolist(t),
+    "bool": lambda t: torch.Tensor.__bool__(t),
+    "int": lambda t: torch.Tensor.__int__(t),
+    "float": lambda t: torch.Tensor.__float__(t),
+    "index": lambda t: torch.Tensor.__index__(t),
 }
+
+
+# the reads that are Python builtins on the tensor (``int(t)``, ``bool(t)``, ``if t:``,
+# ``operator.index(t)``), not methods Dynamo dispatches to a subclass as eager does
+_BUILTIN_READS = frozenset({"bool", "int", "float", "index"})
 
 
 def value_key(v: Any) -> Any:
@@ -584,6 +594,10 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         return False, f"demoted earlier: {state.demoted.value}"
 
     _check_declared_names(site, opts)
+    if site.kind in _BUILTIN_READS and site.tensor_class not in (torch.Tensor, torch.nn.Parameter):
+        name = getattr(site.tensor_class, "__name__", "tensor of unknown class")
+        return _reject(state, Reason.UNSUPPORTED_VALUE, f"{site.kind}() of a {name}: eager converts it through "
+                       "the class's own methods, which Dynamo's traced read skips", compile_id)
     region = state_region_of(site.node.graph, cone_of(site.node))
     if region is not None:  # hoisted or lifted, the cone would re-run under the caller's setting
         return _reject(state, Reason.STATE_REGION, region, compile_id)

@@ -76,7 +76,9 @@ log = logging.getLogger(__name__)
 MAX_TABLE_LEN = 4096  # indices mirrored per request, at most
 
 # The conversions of guards._CONVERT, applied to the Python values one .tolist() produced.
-_FROM_HOST: dict[str, Callable[[Any], Any]] = {**_CONVERT, "item": lambda v: v, "tolist": lambda v: v}
+_FROM_HOST: dict[str, Callable[[Any], Any]] = {"item": lambda v: v, "tolist": lambda v: v, "bool": bool, "int": int,
+                                               "float": float, "index": operator.index}
+assert set(_FROM_HOST) == set(_CONVERT)
 _SIZE_SOURCES = (".size()", ".stride()", ".storage_offset()", "__len__")
 
 
