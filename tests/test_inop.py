@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 import torchsync_pass
 from torchsync_pass import Action, NosyncBackend, Reason
-from torchsync_pass.inop import BATCHED_CPU, SYNCING_OPS, _Batch
+from torchsync_pass.inop import BATCHED_CPU, BATCHED_CPU_MAX_ORDER, SYNCING_OPS, _Batch
 
 
 class Sched:
@@ -231,7 +231,8 @@ def test_batched_op_is_bitwise_per_matrix(op):
     """The measurement behind BATCHED_CPU: on CPU, each slice of a batched call, laid out as a call
     on that matrix alone lays it out, has the bits, dtype, shape and strides of that call."""
     g = torch.Generator().manual_seed(0)
-    for k in (1, 2, 3, 8, 16):
+    orders = range(1, BATCHED_CPU_MAX_ORDER.get(op, 40) + 1)  # every order that is batched (cholesky: 1..40)
+    for k in orders:
         for dtype in (torch.float32, torch.float64):
             A = torch.randn(6, k, k, generator=g, dtype=dtype) + k * torch.eye(k, dtype=dtype)
             A = A @ A.mT  # symmetric positive definite: cholesky too
@@ -243,6 +244,41 @@ def test_batched_op_is_bitwise_per_matrix(op):
                 out = batch._call(inputs)
                 for i in range(6):
                     assert_bitwise(batch._layout(out[i]), single[i])
+
+
+def test_batched_slices_are_fresh_tensors_and_large_orders_run_alone():
+    """A table entry is never a view into the batch (``as_strided(..., 0)`` read index 0's matrix),
+    and ``solve``/``inv`` above BATCHED_CPU_MAX_ORDER (float64 k = 9: other bits in a batch) are
+    computed one index at a time, bitwise equal to eager (review 10)."""
+    A = torch.tensor([[4.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 2.0]])
+
+    class S:
+        def __init__(self) -> None:
+            self.table, self._step_index = torch.linspace(0.5, 2.0, 9), 0
+
+    def step(s, x):
+        r = torch.linalg.inv(A * s.table[s._step_index] + torch.eye(3))
+        s._step_index += 1
+        return x + r.as_strided((3, 3), r.stride(), 0)
+
+    f = torch.compile(step, backend=NosyncBackend({"codegen": "eager"}))
+    s, e = S(), S()
+    for _ in range(6):
+        assert_bitwise(f(s, torch.zeros(3, 3)), step(e, torch.zeros(3, 3)))
+
+    g = torch.Generator().manual_seed(1)
+    M = torch.randn(11, 11, dtype=torch.float64, generator=g)
+    b = torch.randn(11, dtype=torch.float64, generator=g)
+
+    def solve_step(s, x):
+        out = torch.linalg.solve(torch.eye(11, dtype=torch.float64) * s.table[s._step_index] + M, b)
+        s._step_index += 1
+        return x + out
+
+    h = torch.compile(solve_step, backend=NosyncBackend({"codegen": "eager"}))
+    s, e = S(), S()
+    for _ in range(8):
+        assert_bitwise(h(s, torch.zeros(11, dtype=torch.float64)), solve_step(e, torch.zeros(11, dtype=torch.float64)))
 
 
 def _slot(j):

@@ -10,6 +10,8 @@ the kernel switches were not read at all. Each test fails on the commit before i
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.utils.deterministic as deterministic
@@ -68,28 +70,41 @@ def test_opt_einsum_switch_between_calls(cache):
             oe.strategy = before[1]
 
 
+class _ValueThenBranch(nn.Module):
+    """``value()`` (cached or hoisted), then a hoisted branch on the request's mask."""
+
+    def forward(self, x, mask):
+        v = self.value()
+        if (mask == 0).any():
+            x = x * 2
+        return x + v
+
+
 def test_fill_uninitialized_memory_switch_between_calls():
-    class Empty(nn.Module):
-        def forward(self, x, mask):
-            e = torch.isnan(torch.empty(1000)).float().sum()  # no input: cached
-            if (mask == 0).any():
-                x = x * 2
-            return x + e
+    class Empty(_ValueThenBranch):
+        def value(self):
+            return torch.isnan(torch.empty(1000)).float().sum()  # no input: cached
 
     m, x, mask = Empty(), torch.zeros(2), torch.tensor([1, 0])
+    with _deterministic_unfilled(), torch.no_grad():
+        c = torch.compile(m, backend="nosync", options=EAGER)
+        c(x, mask)  # uninitialized memory: any value
+        for _ in range(2):
+            deterministic.fill_uninitialized_memory = True
+            assert_bitwise(c(x, mask), torch.full((2,), 1000.0))  # NaN-filled: every element counts
+            assert_bitwise(c(x, mask), m(x, mask))
+            deterministic.fill_uninitialized_memory = False
+            c(x, mask)
+
+
+@contextlib.contextmanager
+def _deterministic_unfilled():
+    """Deterministic algorithms on, the fill of uninitialized memory off; both restored after."""
     det, fill = torch.are_deterministic_algorithms_enabled(), deterministic.fill_uninitialized_memory
     try:
         torch.use_deterministic_algorithms(True)
         deterministic.fill_uninitialized_memory = False
-        c = torch.compile(m, backend="nosync", options=EAGER)
-        with torch.no_grad():
-            c(x, mask)  # uninitialized memory: any value
-            for _ in range(2):
-                deterministic.fill_uninitialized_memory = True
-                assert_bitwise(c(x, mask), torch.full((2,), 1000.0))  # NaN-filled: every element counts
-                assert_bitwise(c(x, mask), m(x, mask))
-                deterministic.fill_uninitialized_memory = False
-                c(x, mask)
+        yield
     finally:
         torch.use_deterministic_algorithms(det)
         deterministic.fill_uninitialized_memory = fill
@@ -338,3 +353,99 @@ def test_a_negative_view_index_is_not_gathered(form):
         _compare_with_eager(lambda t: _W[t.item()] * 1, key)
     else:
         _compare_with_eager(lambda t: _W[t] * 1, key)
+
+
+def test_a_tabulated_fallback_that_raises_prints_nothing(capfd):
+    """The original graph that raises eager's error for an index the tables cannot answer ran
+    through GraphModule.__call__, which printed an FX traceback to stderr at every such call."""
+    class Sched:
+        def __init__(self) -> None:
+            self.table, self._step_index = torch.tensor([1.0, 2.0, 2.0, 3.0, 0.0, 1.0]), 0
+
+    def step(s, x):
+        r = torch.linalg.inv(torch.eye(2) * s.table[s._step_index] + torch.tensor([[1.0, 2.0], [2.0, 4.0]]))
+        s._step_index += 1
+        return x + r
+
+    f = torch.compile(step, backend=torchsync_pass.NosyncBackend(EAGER))
+    s, e = Sched(), Sched()
+    for _ in range(4):
+        assert_bitwise(f(s, torch.zeros(2, 2)), step(e, torch.zeros(2, 2)))
+    capfd.readouterr()
+    with pytest.raises(torch.linalg.LinAlgError):
+        step(e, torch.zeros(2, 2))
+    with pytest.raises(torch.linalg.LinAlgError):
+        f(s, torch.zeros(2, 2))
+    assert "FX-traced Module" not in capfd.readouterr().err
+
+
+@torch.library.custom_op("nosync_review10::mul", mutates_args=())
+def _custom_mul(a: torch.Tensor, n: int) -> torch.Tensor:
+    return a * torch.isnan(torch.empty(n)).float().sum()  # reads the fill switch
+
+
+@_custom_mul.register_fake
+def _(a, n):
+    return torch.empty_like(a)
+
+
+def test_a_custom_op_named_like_an_aten_op_reads_the_state():
+    """Only torch's own op is judged by its name: ``torch.ops.mylib.mul`` is any code."""
+    class M(_ValueThenBranch):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("one", torch.ones(1))
+
+        def value(self):
+            return torch.ops.nosync_review10.mul(self.one, 1000).item()  # hoisted
+
+    m, x, mask = M(), torch.zeros(2), torch.tensor([1, 0])
+    with _deterministic_unfilled(), torch.no_grad():
+        c = torch.compile(m, backend="nosync", options=EAGER)
+        c(x, mask)
+        c(x, mask)
+        deterministic.fill_uninitialized_memory = True
+        assert_bitwise(c(x, mask), m(x, mask))
+
+
+class _Flip(torch.Tensor):
+    def __bool__(self):
+        return not super().__bool__()
+
+
+class _IndexPlusOne(torch.Tensor):
+    def __index__(self):
+        return super().__index__() + 1
+
+
+def _branch_on(x, k):
+    if k:
+        return x + 1
+    return x - 1
+
+
+def test_a_subclass_test_is_not_selected_on_the_device():
+    """int()/bool() of a subclass are not hoisted; the branch select must not take the sync
+    instead: torch.where on plain truthiness skips the class's __bool__."""
+    _compare_with_eager(_branch_on, torch.ones(8), torch.tensor(1).as_subclass(_Flip))
+
+
+def test_a_slice_bound_of_a_subclass_uses_its_index():
+    """``x[:k]``: Dynamo reads ``k`` with an .item() of its own; eager calls the class's __index__."""
+    _compare_with_eager(lambda x, k: x[:k] * 1, torch.ones(8), torch.tensor(2).as_subclass(_IndexPlusOne))
+
+
+def test_numpy_values_are_still_hoisted():
+    """A NumPy array Dynamo traces is no subclass: int() of it stays hoisted (0 syncs a call)."""
+    def f(x, k):
+        return x * int(k.numpy().sum())
+
+    x, k = torch.randn(3), torch.tensor([1, 2, 0])
+    c = torch.compile(f, backend="nosync", options=EAGER)
+    c(x, k)
+    c(x, k)
+    expected = f(x, k)
+    with torchsync_pass.count_syncs(profiler=False) as n:
+        out = c(x, k)
+    assert_bitwise(out, expected)
+    assert n.total == 0

@@ -350,7 +350,9 @@ def _codegen_tabulated(gm: torch.fx.GraphModule, example_inputs: list, opts: Opt
     tab = inop.tabulate(gm, opts, compile_id)
     if tab.step is None:
         return _codegen(gm, example_inputs, opts, mode)
-    return tab.wrap(gm.forward, _codegen(tab.step, list(example_inputs) + tab.examples, opts, mode))
+    # NOTE: the generated forward, not gm.forward: a lazy GraphModule's __call__ path prints an FX
+    # traceback to stderr for every call that raises (the fallback raises what eager raises)
+    return tab.wrap(_torch_private.graph_forward(gm), _codegen(tab.step, list(example_inputs) + tab.examples, opts, mode))
 
 
 def _check_cudagraphs(gm: torch.fx.GraphModule, example_inputs: list, compile_id: Optional[str]) -> None:

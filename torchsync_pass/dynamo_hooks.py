@@ -107,6 +107,9 @@ class SyncSite:
     # The Python class of the tensor read (a subclass: Dynamo turns ``int(t)``/``bool(t)`` into
     # its own read, without the subclass's ``__int__``/``__bool__`` or ``__torch_function__``)
     tensor_class: Any = torch.Tensor
+    # For a subclass: is the instruction the read itself (``t.item()``), not a read Dynamo made for
+    # something else (a slice bound ``x[:t]``, which eager converts with the class's __index__)?
+    direct_read: bool = True
     leaves: list[Leaf] = field(default_factory=list)
     _tx: Any = None  # the translator; opaque outside this module
 
@@ -290,7 +293,8 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
         frame_compile=_frame_compile_index(),
         occurrence=_later_twins(utx, inst),
         frame_locals=getattr(output.root_tx, "f_locals", None),
-        tensor_class=_python_type(var),
+        tensor_class=(cls := _python_type(var)),
+        direct_read=cls in PLAIN_READ_TYPES or _direct_call(tx, kind),
         _tx=tx,
     )
     site.leaves = [leaf for n in node.graph.find_nodes(op="placeholder") if (leaf := leaf_of(n)) is not None]
@@ -1046,8 +1050,18 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
 
 # ``aten.index`` checks the index's range only while copying elements: none to copy, no error
 _EMPTY_ROWS = "eager's out-of-range index raises, a gather of nothing would not"
-# the tensor classes whose indexing and integer conversion are torch.Tensor's own
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# the classes whose indexing, truthiness and integer conversion are torch.Tensor's own (a NumPy
+# array Dynamo traces is a tensor in the graph: its int()/float() are NumPy's, which Dynamo traces)
+def _plain_read_types() -> tuple:
+    try:
+        import numpy
+    except ImportError:
+        return (torch.Tensor, torch.nn.Parameter)
+    return (torch.Tensor, torch.nn.Parameter, numpy.ndarray)
+
+
+PLAIN_READ_TYPES = _plain_read_types()
+_PLAIN_TENSOR_TYPES = PLAIN_READ_TYPES
 
 
 def _python_type(v: Any) -> Any:
@@ -1868,6 +1882,10 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
         return False
     if any(tx.instructions[i].opname == "LOAD_ASSERTION_ERROR" for i in (tx.instruction_pointer, tx.indexof[inst.target])):
         return False  # ``assert t``: stock Dynamo traces it as torch._assert_async, no sync
+    if _python_type(value) not in PLAIN_READ_TYPES:
+        name = getattr(_python_type(value), "__name__", "tensor of unknown class")
+        _rewriter.refuse_branch(site, "BRANCH_VALUES", f"the test is a {name}: its own __bool__ would not run")
+        return False
     use = RewriteUse("branch", "", 0)
     try:
         arm_a, arm_b, join = _branch_arms(tx, inst)

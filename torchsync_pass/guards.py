@@ -265,13 +265,27 @@ def precision_reader(graph: Any) -> Optional[Callable[[], tuple]]:
         if n.op not in ("call_function", "call_method"):
             return _torch_private.fp32_precisions
         name = t if isinstance(t, str) else getattr(t, "__name__", None)
-        if not isinstance(name, str):
-            return _torch_private.fp32_precisions
+        if not isinstance(name, str) or (n.op == "call_function" and not _torch_own(t, name)):
+            return _torch_private.fp32_precisions  # a custom op or a Python function named ``mul``
         if not _precision_free_name(name):
             if name not in _NO_ATTENTION and name not in _UNINITIALIZED:
                 return _torch_private.fp32_precisions
             reader = einsum if name == "einsum" or reader is einsum else partial
     return reader
+
+
+# where torch's own functions of a name live (what a call_function target must be found at for
+# its name to say what it computes)
+_TORCH_NAMESPACES = (torch, torch.Tensor, torch.nn.functional, torch.special, torch.linalg, torch.fft)
+
+
+def _torch_own(t: Any, name: str) -> bool:
+    """Is ``t`` torch's own op of that name (an aten op, ``torch.mul``, ``F.linear``, ...), not a
+    custom op (``torch.ops.mylib.mul``) or a user function that happens to share the name?"""
+    if _torch_private.is_op_overload(t) or _torch_private.is_op_packet(t):
+        return str(getattr(t, "_qualified_op_name", getattr(t, "name", lambda: "")())).startswith("aten::") or \
+            getattr(t, "namespace", None) == "aten"
+    return any(getattr(ns, name, None) is t for ns in _TORCH_NAMESPACES)
 
 
 def precision_sensitive(graph: Any) -> bool:
@@ -594,10 +608,11 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         return False, f"demoted earlier: {state.demoted.value}"
 
     _check_declared_names(site, opts)
-    if site.kind in _BUILTIN_READS and site.tensor_class not in (torch.Tensor, torch.nn.Parameter):
+    if site.tensor_class not in dynamo_hooks.PLAIN_READ_TYPES and (site.kind in _BUILTIN_READS or not site.direct_read):
         name = getattr(site.tensor_class, "__name__", "tensor of unknown class")
-        return _reject(state, Reason.UNSUPPORTED_VALUE, f"{site.kind}() of a {name}: eager converts it through "
-                       "the class's own methods, which Dynamo's traced read skips", compile_id)
+        return _reject(state, Reason.UNSUPPORTED_VALUE, f"{site.kind} read of a {name}: eager converts it through "
+                       "the class's own methods (__bool__, __int__, __index__, ...), which Dynamo's traced read "
+                       "skips", compile_id)
     region = state_region_of(site.node.graph, cone_of(site.node))
     if region is not None:  # hoisted or lifted, the cone would re-run under the caller's setting
         return _reject(state, Reason.STATE_REGION, region, compile_id)

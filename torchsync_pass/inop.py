@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -112,6 +113,13 @@ BATCHED_CPU: dict[Callable, tuple[tuple[int, ...], ...]] = {
     torch.linalg.inv: ((2,),),
     torch.linalg.cholesky: ((2,),),
 }
+# The largest order k batched, where not every k is: a slice of a batched ``solve``/``inv`` does
+# not have the bits of a call on that matrix alone from k = 9 on (float64 k = 9, 11, float32 k = 17,
+# 19, 25, 33, ... measured on torch 2.13.0+cpu, MKL: the slices sit at offsets a fresh allocation
+# would not have, and the library's kernels depend on alignment); k <= 8 matched in every trial
+# (tests/test_inop.py::test_batched_op_is_bitwise_per_matrix). ``cholesky`` matched at every k
+# measured (1 to 256). A larger matrix is computed one index at a time.
+BATCHED_CPU_MAX_ORDER: dict[Callable, int] = {torch.linalg.solve: 8, torch.linalg.inv: 8}
 
 STALE_TABLES = 3  # tables computed in a row that no call read: the leaves change on every call
 
@@ -275,6 +283,7 @@ class _Batch:
         _MODULES.add(self.call)
         self.shape, self.stride = tuple(example.shape), tuple(example.stride())
         self.core_dims = core_dims
+        self.max_order = BATCHED_CPU_MAX_ORDER.get(op, sys.maxsize)
 
     def _call(self, inputs: tuple) -> Any:
         return self.call.forward(*inputs)
@@ -293,7 +302,8 @@ class _Batch:
         groups: dict[tuple, list[int]] = {}
         for i, ins in inputs.items():
             meta = tuple((t.shape, t.dtype, t.device) for t in ins)
-            if all(t.device.type == "cpu" for t in ins) and tuple(t.dim() for t in ins) in self.core_dims:
+            if (all(t.device.type == "cpu" for t in ins) and tuple(t.dim() for t in ins) in self.core_dims
+                    and ins[0].shape[-1] <= self.max_order):
                 groups.setdefault(meta, []).append(i)
             else:
                 groups.setdefault(("one at a time", i), []).append(i)
@@ -313,9 +323,11 @@ class _Batch:
         return Table(values, ok)
 
     def _layout(self, v: torch.Tensor) -> torch.Tensor:
-        if tuple(v.shape) == self.shape and tuple(v.stride()) != self.stride:
-            v = torch.empty_strided(self.shape, self.stride, dtype=v.dtype, device=v.device).copy_(v)
-        return v
+        """A slice of the batched result as a call on that matrix alone returns it: its own memory
+        (never a view into the batch: ``as_strided`` or ``untyped_storage()`` would see the other
+        indices), with that call's strides."""
+        stride = self.stride if tuple(v.shape) == self.shape else v.stride()
+        return torch.empty_strided(v.shape, stride, dtype=v.dtype, device=v.device).copy_(v)
 
 
 @dataclass(frozen=True)
