@@ -440,7 +440,11 @@ def test_numpy_values_are_still_hoisted():
     def f(x, k):
         return x * int(k.numpy().sum())
 
-    x, k = torch.randn(3), torch.tensor([1, 2, 0])
+    _assert_warm_call_syncs_nothing(f, torch.randn(3), torch.tensor([1, 2, 0]))
+
+
+def _assert_warm_call_syncs_nothing(f, x, k):
+    """Compiled with nosync: a warm call is eager's bits with no sync."""
     c = torch.compile(f, backend="nosync", options=EAGER)
     c(x, k)
     c(x, k)
@@ -449,3 +453,19 @@ def test_numpy_values_are_still_hoisted():
         out = c(x, k)
     assert_bitwise(out, expected)
     assert n.total == 0
+
+
+@pytest.mark.parametrize("read", ["item", "tolist"])
+def test_a_subclass_item_or_tolist_call_is_still_hoisted(read):
+    """The slice-bound rule above refuses a read Dynamo makes for something else, not the user's
+    own ``t.item()``/``t.tolist()`` call, which Dynamo traces through the class's __torch_function__."""
+    if read == "item":
+        def f(x, k):
+            return x * k.item()
+        k = torch.tensor(3).as_subclass(_Plain)
+    else:
+        def f(x, k):
+            a, b = k.tolist()
+            return x * a + b
+        k = torch.tensor([2, 3]).as_subclass(_Plain)
+    _assert_warm_call_syncs_nothing(f, torch.randn(3), k)

@@ -294,7 +294,7 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
         occurrence=_later_twins(utx, inst),
         frame_locals=getattr(output.root_tx, "f_locals", None),
         tensor_class=(cls := _python_type(var)),
-        direct_read=cls in PLAIN_READ_TYPES or _direct_call(tx, kind),
+        direct_read=cls in PLAIN_READ_TYPES or _direct_call(utx, kind),
         _tx=tx,
     )
     site.leaves = [leaf for n in node.graph.find_nodes(op="placeholder") if (leaf := leaf_of(n)) is not None]
@@ -947,12 +947,12 @@ def int_reads_rewritable() -> bool:
 
 
 def _direct_call(tx: Any, kind: str) -> bool:
-    """Is the instruction being traced the read itself (``t.item()``, ``int(t)``,
+    """Is the instruction being traced the read itself (``t.item()``, ``t.tolist()``, ``int(t)``,
     ``operator.index(t)``), so that its result is the read's value?"""
     inst = tx.current_instruction
     if inst.opname != "CALL":
         return False
-    if kind == "item":
+    if kind in ("item", "tolist"):
         i = next((k for k, x in enumerate(tx.instructions) if x is inst), None)
         prev = tx.instructions[i - 1] if i else None
         # (Dynamo 2.15 on Python 3.12 spells a method call LOAD_ATTR, PUSH_NULL, SWAP 2, CALL)
@@ -960,7 +960,7 @@ def _direct_call(tx: Any, kind: str) -> bool:
             i -= 1
             prev = tx.instructions[i - 1]
         return inst.arg == 0 and prev is not None and prev.opname in ("LOAD_METHOD", "LOAD_ATTR") \
-            and prev.argval == "item"
+            and prev.argval == kind
     want = {"int": int, "index": operator.index}.get(kind)
     if want is None or inst.arg != 1:
         return False
