@@ -1053,11 +1053,14 @@ _EMPTY_ROWS = "eager's out-of-range index raises, a gather of nothing would not"
 # the classes whose indexing, truthiness and integer conversion are torch.Tensor's own (a NumPy
 # array Dynamo traces is a tensor in the graph: its int()/float() are NumPy's, which Dynamo traces)
 def _plain_read_types() -> tuple:
+    # NOTE: torch.nn.Buffer: Dynamo reports a registered buffer's class as Buffer (its _is_buffer
+    # flag), though the object is a plain torch.Tensor
+    types_ = (torch.Tensor, torch.nn.Parameter) + ((torch.nn.Buffer,) if hasattr(torch.nn, "Buffer") else ())
     try:
         import numpy
     except ImportError:
-        return (torch.Tensor, torch.nn.Parameter)
-    return (torch.Tensor, torch.nn.Parameter, numpy.ndarray)
+        return types_
+    return types_ + (numpy.ndarray,)
 
 
 PLAIN_READ_TYPES = _plain_read_types()
@@ -1069,6 +1072,27 @@ def _python_type(v: Any) -> Any:
         return v.python_type()
     except Exception:
         return None
+
+
+_CONVERSIONS = ("__bool__", "__int__", "__float__", "__index__")
+
+
+def builtin_read_differs(cls: Any) -> bool:
+    """May ``int()``/``float()``/``bool()``/``operator.index()`` of an instance of ``cls`` give
+    another answer in eager than Dynamo's own read of it (which a hoisted value copies)?
+
+    A Python-level conversion (``def __bool__``) always may. A custom ``__torch_function__`` may too
+    (it sees ``Tensor.__int__``; Dynamo's read shows it ``Tensor.item``) from torch 2.13 on, where
+    stock Dynamo then converts as eager does. On 2.11 and 2.12 stock Dynamo applies such a class's
+    ``__torch_function__`` to the ops before the read twice, which the hoisted value (computed with
+    ``__torch_function__`` off) does not: the value is hoisted there, as before.
+    """
+    if cls in PLAIN_READ_TYPES:
+        return False
+    if not isinstance(cls, type) or any(getattr(cls, m, None) is not getattr(torch.Tensor, m) for m in _CONVERSIONS):
+        return True
+    own = getattr(getattr(cls, "__torch_function__", None), "__func__", None)
+    return own is not getattr(torch.Tensor.__torch_function__, "__func__", None) and _torch_version() >= (2, 13)
 
 
 def _key_problem(var: Any, ex: torch.Tensor) -> Optional[str]:

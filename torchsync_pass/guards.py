@@ -608,7 +608,11 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         return False, f"demoted earlier: {state.demoted.value}"
 
     _check_declared_names(site, opts)
-    if site.tensor_class not in dynamo_hooks.PLAIN_READ_TYPES and (site.kind in _BUILTIN_READS or not site.direct_read):
+    # a subclass's int()/bool()/...: its own conversion; a read Dynamo made of one for something
+    # else (a slice bound ``x[:t]``, which eager converts with the class's __index__)
+    if site.tensor_class not in dynamo_hooks.PLAIN_READ_TYPES and (
+            dynamo_hooks.builtin_read_differs(site.tensor_class) if site.kind in _BUILTIN_READS
+            else not site.direct_read):
         name = getattr(site.tensor_class, "__name__", "tensor of unknown class")
         return _reject(state, Reason.UNSUPPORTED_VALUE, f"{site.kind} read of a {name}: eager converts it through "
                        "the class's own methods (__bool__, __int__, __index__, ...), which Dynamo's traced read "

@@ -284,6 +284,10 @@ class _Batch:
         self.shape, self.stride = tuple(example.shape), tuple(example.stride())
         self.core_dims = core_dims
         self.max_order = BATCHED_CPU_MAX_ORDER.get(op, sys.maxsize)
+        # ``solve`` with ``left=False``, or of complex matrices, had other bits in a batch than alone
+        # even at k <= 8 (review 10: float64 k = 5, 7 with 16+ columns; complex64 k = 7): not batched
+        self.real_left_only = op is torch.linalg.solve
+        self.left = kwargs.get("left", True) is True
 
     def _call(self, inputs: tuple) -> Any:
         return self.call.forward(*inputs)
@@ -303,7 +307,8 @@ class _Batch:
         for i, ins in inputs.items():
             meta = tuple((t.shape, t.dtype, t.device) for t in ins)
             if (all(t.device.type == "cpu" for t in ins) and tuple(t.dim() for t in ins) in self.core_dims
-                    and ins[0].shape[-1] <= self.max_order):
+                    and ins[0].shape[-1] <= self.max_order
+                    and not (self.real_left_only and (not self.left or any(t.is_complex() for t in ins)))):
                 groups.setdefault(meta, []).append(i)
             else:
                 groups.setdefault(("one at a time", i), []).append(i)
