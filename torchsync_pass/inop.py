@@ -120,6 +120,10 @@ BATCHED_CPU: dict[Callable, tuple[tuple[int, ...], ...]] = {
 # (tests/test_inop.py::test_batched_op_is_bitwise_per_matrix). ``cholesky`` matched at every k
 # measured (1 to 256). A larger matrix is computed one index at a time.
 BATCHED_CPU_MAX_ORDER: dict[Callable, int] = {torch.linalg.solve: 8, torch.linalg.inv: 8}
+# Batched only for real matrices and ``left=True``: ``solve(A, B, left=False)`` and complex ``solve``
+# had other bits in a batch than alone even at k <= 8 (review 10: float64 k = 5, 7 with 16+
+# columns; complex64 k = 7), so such a call is computed one index at a time.
+BATCHED_CPU_REAL_LEFT_ONLY = frozenset({torch.linalg.solve})
 
 STALE_TABLES = 3  # tables computed in a row that no call read: the leaves change on every call
 
@@ -284,10 +288,6 @@ class _Batch:
         self.shape, self.stride = tuple(example.shape), tuple(example.stride())
         self.core_dims = core_dims
         self.max_order = BATCHED_CPU_MAX_ORDER.get(op, sys.maxsize)
-        # ``solve`` with ``left=False``, or of complex matrices, had other bits in a batch than alone
-        # even at k <= 8 (review 10: float64 k = 5, 7 with 16+ columns; complex64 k = 7): not batched
-        self.real_left_only = op is torch.linalg.solve
-        self.left = kwargs.get("left", True) is True
 
     def _call(self, inputs: tuple) -> Any:
         return self.call.forward(*inputs)
@@ -307,8 +307,7 @@ class _Batch:
         for i, ins in inputs.items():
             meta = tuple((t.shape, t.dtype, t.device) for t in ins)
             if (all(t.device.type == "cpu" for t in ins) and tuple(t.dim() for t in ins) in self.core_dims
-                    and ins[0].shape[-1] <= self.max_order
-                    and not (self.real_left_only and (not self.left or any(t.is_complex() for t in ins)))):
+                    and ins[0].shape[-1] <= self.max_order):
                 groups.setdefault(meta, []).append(i)
             else:
                 groups.setdefault(("one at a time", i), []).append(i)
@@ -345,9 +344,10 @@ def _batch_for(module: fx.GraphModule, op: Callable, example: Any) -> Optional[_
     if op not in BATCHED_CPU or not isinstance(example, torch.Tensor):
         return None
     graph = module.graph
-    out = next(iter(graph.find_nodes(op="output")))
-    node = out.args[0]
+    node = next(iter(graph.find_nodes(op="output"))).args[0]
     if not isinstance(node, fx.Node) or node.op != "call_function" or cone._nodes_in(node.kwargs):
+        return None
+    if op in BATCHED_CPU_REAL_LEFT_ONLY and (example.is_complex() or node.kwargs.get("left", True) is not True):
         return None
     tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
     if any(cone._nodes_in(a) for a in node.args if not isinstance(a, fx.Node)):
