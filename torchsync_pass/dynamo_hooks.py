@@ -1064,7 +1064,6 @@ def _plain_read_types() -> tuple:
 
 
 PLAIN_READ_TYPES = _plain_read_types()
-_PLAIN_TENSOR_TYPES = PLAIN_READ_TYPES
 
 
 def _python_type(v: Any) -> Any:
@@ -1072,6 +1071,14 @@ def _python_type(v: Any) -> Any:
         return v.python_type()
     except Exception:
         return None
+
+
+def subclass_name(cls: Any) -> Optional[str]:
+    """The name of ``cls`` when it is not one of :data:`PLAIN_READ_TYPES` (a tensor subclass, or
+    a class that could not be read), else None."""
+    if cls in PLAIN_READ_TYPES:
+        return None
+    return getattr(cls, "__name__", "tensor of unknown class")
 
 
 _CONVERSIONS = ("__bool__", "__int__", "__float__", "__index__")
@@ -1097,9 +1104,8 @@ def builtin_read_differs(cls: Any) -> bool:
 
 def _key_problem(var: Any, ex: torch.Tensor) -> Optional[str]:
     """Why the index tensor ``var`` (traced value ``ex``) cannot be gathered with (None: it can)."""
-    cls = _python_type(var)
-    if cls not in _PLAIN_TENSOR_TYPES:
-        name = getattr(cls, "__name__", "tensor of unknown class")
+    name = subclass_name(_python_type(var))
+    if name is not None:
         return f"the index is a {name}: its own conversion to an integer would not run"
     if ex.is_neg() or ex.is_conj():
         return "the index is a lazy negative or conjugate view: a gather would not apply the bit"
@@ -1111,9 +1117,8 @@ def _tensor_table_problem(table: Any, src: str, device: torch.device) -> Optiona
     tex = table.as_proxy().node.meta.get("example_value")
     if not isinstance(tex, torch.Tensor) or tex.dim() == 0 or not all(isinstance(d, int) for d in tex.shape):
         return "a 0-d tensor or a tensor with symbolic sizes"
-    cls = _python_type(table)
-    if cls not in _PLAIN_TENSOR_TYPES:
-        name = getattr(cls, "__name__", "tensor of unknown class")
+    name = subclass_name(_python_type(table))
+    if name is not None:
         return f"{src} is a {name}: its own indexing would not run"
     if tex.numel() == 0:
         return f"rows of {src} have no elements: {_EMPTY_ROWS}"
@@ -1238,7 +1243,7 @@ def _try_subscript(tx: Any) -> bool:
     table = _peek_tensor(tx.stack[-2])
     if table is None or _user_translator(tx) is not tx or tx.output.current_tracer is not tx.output.root_tracer:
         return False
-    if _python_type(key) not in _PLAIN_TENSOR_TYPES:
+    if _python_type(key) not in PLAIN_READ_TYPES:
         return False  # a subclass's own __index__: Dynamo's handler
     if _in_torch_function_mode(tx):
         return False  # a mode may serve Tensor.__getitem__ itself: Dynamo's handler dispatches it
@@ -1906,8 +1911,8 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
         return False
     if any(tx.instructions[i].opname == "LOAD_ASSERTION_ERROR" for i in (tx.instruction_pointer, tx.indexof[inst.target])):
         return False  # ``assert t``: stock Dynamo traces it as torch._assert_async, no sync
-    if _python_type(value) not in PLAIN_READ_TYPES:
-        name = getattr(_python_type(value), "__name__", "tensor of unknown class")
+    name = subclass_name(_python_type(value))
+    if name is not None:
         _rewriter.refuse_branch(site, "BRANCH_VALUES", f"the test is a {name}: its own __bool__ would not run")
         return False
     use = RewriteUse("branch", "", 0)

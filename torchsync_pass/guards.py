@@ -283,8 +283,8 @@ def _torch_own(t: Any, name: str) -> bool:
     """Is ``t`` torch's own op of that name (an aten op, ``torch.mul``, ``F.linear``, ...), not a
     custom op (``torch.ops.mylib.mul``) or a user function that happens to share the name?"""
     if _torch_private.is_op_overload(t) or _torch_private.is_op_packet(t):
-        return str(getattr(t, "_qualified_op_name", getattr(t, "name", lambda: "")())).startswith("aten::") or \
-            getattr(t, "namespace", None) == "aten"
+        # an overload knows its namespace, a packet its qualified name (``aten::mul``)
+        return getattr(t, "namespace", None) == "aten" or str(getattr(t, "_qualified_op_name", "")).startswith("aten::")
     return any(getattr(ns, name, None) is t for ns in _TORCH_NAMESPACES)
 
 
@@ -610,10 +610,9 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     _check_declared_names(site, opts)
     # a subclass's int()/bool()/...: its own conversion; a read Dynamo made of one for something
     # else (a slice bound ``x[:t]``, which eager converts with the class's __index__)
-    if site.tensor_class not in dynamo_hooks.PLAIN_READ_TYPES and (
-            dynamo_hooks.builtin_read_differs(site.tensor_class) if site.kind in _BUILTIN_READS
-            else not site.direct_read):
-        name = getattr(site.tensor_class, "__name__", "tensor of unknown class")
+    name = dynamo_hooks.subclass_name(site.tensor_class)
+    if name is not None and (dynamo_hooks.builtin_read_differs(site.tensor_class) if site.kind in _BUILTIN_READS
+                             else not site.direct_read):
         return _reject(state, Reason.UNSUPPORTED_VALUE, f"{site.kind} read of a {name}: eager converts it through "
                        "the class's own methods (__bool__, __int__, __index__, ...), which Dynamo's traced read "
                        "skips", compile_id)
