@@ -67,6 +67,10 @@ _INPLACE_OPERATORS = {operator.setitem} | {  # x[i] = v, and x += y, x -= y, ...
     getattr(operator, "i" + op) for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
                                            "and", "or", "xor", "lshift", "rshift", "matmul")
 }
+# ``t.__iadd__(v)`` spelled out: Dynamo traces it as a call of the method itself, not as
+# ``operator.iadd``, and its name ends with "__", not "_".
+_INPLACE_DUNDERS = {"__i" + op + "__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
+                                                   "and", "or", "xor", "lshift", "rshift", "matmul")}
 _SAFE_PRIVATE = {"_unsafe_view"}
 # A resume function's stack inputs: values an earlier graph of the frame handed across a break.
 _RESUME_STACK = re.compile(r"L\['___stack\d+'\]")
@@ -417,7 +421,7 @@ def written_nodes(node: fx.Node) -> list[fx.Node]:
     t = node.target
     if node.op == "call_function" and t in _INPLACE_OPERATORS:
         written += _nodes_in(first)
-    elif node.op == "call_method" and name in ("__setitem__", "copy_", "set_", "resize_"):
+    elif name in _INPLACE_DUNDERS or name == "__setitem__":  # a method or ``torch.Tensor.__iadd__(t, v)``
         written += _nodes_in(first)
     elif name.endswith("_") and not name.endswith("__") and not _is_operator_function(node):
         written += _nodes_in(first)  # add_, fill_, _foreach_add_ (a list of tensors)
