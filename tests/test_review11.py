@@ -48,3 +48,36 @@ def test_dunder_inplace_write_is_a_write(how):
             assert_bitwise(c(x), ref(x))
     assert torch.equal(m.table, ref.table)
     assert not [d for d in torchsync_pass.decisions() if d.action.name == "CACHED"]
+
+
+class Cumexp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return x * self.table.cumsum(0).exp()  # cached (invariant)
+
+
+def test_cached_under_inference_mode_not_reused_for_autograd():
+    """Values cached under ``inference_mode()`` (with ``enable_grad()`` inside: Dynamo's
+    global-state snapshot does not tell the two apart) are inference tensors: a later ordinary
+    grad-mode call must not reuse them (autograd refuses to save them) and must match eager."""
+    m = Cumexp()
+    keep = torchsync_pass.keep_nosync_guards(torch.compiler.skip_all_guards_unsafe)
+    f = torch.compile(m, backend="nosync", options={**EAGER, "invariant_cache_bytes": 64 << 20,
+                                                    "guard_filter_fn": keep})
+    x = torch.randn(8, 8)
+    with torch.inference_mode(), torch.enable_grad():
+        assert_bitwise(f(x), m(x))
+    x1 = torch.randn(8, 8, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    ref = m(x2)
+    ref.sum().backward()
+    out = f(x1)
+    out.sum().backward()
+    assert_bitwise(out.detach(), ref.detach())
+    assert_bitwise(x1.grad, x2.grad)
+    with torch.inference_mode(), torch.enable_grad():  # and back: the inference values again
+        assert_bitwise(f(x), m(x))
+    assert torch._dynamo.utils.counters["nosync"]["invariant_computes"] >= 2

@@ -356,7 +356,8 @@ class InvariantRunner:
         self.memos: dict[tuple, ConeMemo] = {}
         # The last call's answer: (grad mode, weak refs and guards.fast_key of its leaves, values,
         # the check of a snapshot of the global state Dynamo guards (grad mode, autocast, thread
-        # count, default dtype, ...: _torch_private.global_state_now), the per-backend precisions),
+        # count, default dtype, ...: _torch_private.global_state_now), the per-backend precisions,
+        # inference mode),
         # what a memo lookup compares, checked by ``call`` without the memo.
         self.last: Optional[tuple] = None
         # (snapshot check, per-backend precisions, memo state key) of the last miss, and its
@@ -424,12 +425,16 @@ class InvariantRunner:
         # when the last call is forgotten with its leaves, as between two requests).
         known = self.last_state
         read = self.read_precisions
-        if known is not None and known[0]() and (read is None or known[1] == read()):
+        # NOTE: inference mode is not in Dynamo's global-state snapshot (``inference_mode()`` with
+        # ``enable_grad()`` inside passes its check), but values computed under it are inference
+        # tensors, which autograd refuses to save on a later ordinary call: part of the key.
+        inference = torch.is_inference_mode_enabled()
+        if known is not None and known[0]() and known[2][4] is inference and (read is None or known[1] == read()):
             check, precisions, state = known
         else:
             check = _torch_private.global_state_now().check
             precisions = read() if read is not None else None
-            state = (grad, bits_state(), torch.get_default_dtype(), _autocast_state())
+            state = (grad, bits_state(), torch.get_default_dtype(), _autocast_state(), inference)
             self.last_state = (check, precisions, state)
         memo = self.memos.get(state)
         if memo is None:
@@ -452,7 +457,7 @@ class InvariantRunner:
                 return None
             e = memo.store(leaves, None, values, fps)
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
-        self.last = (grad, e.refs, key, e.value, check, precisions)
+        self.last = (grad, e.refs, key, e.value, check, precisions, inference)
         return e.value
 
 
@@ -491,7 +496,7 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any],
         lines.append("        return runner.run_whole(args)")
     precisions = " and last[5] == fp32_precisions()" if runner.precision_sensitive else ""
     lines += ["    last = runner.last",
-              f"    if last is not None and last[4](){precisions}:"]
+              f"    if last is not None and last[4]() and last[6] is inference_mode(){precisions}:"]
     if index:
         names = [f"t{i}" for i in range(len(index))]
         lines.append(f"        {', '.join(names)} = " + ", ".join(f"args[{i}]" for i in index))
@@ -506,6 +511,7 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any],
     lines.append("        return whole(*args)  # the invariant part raised: see InvariantRunner.miss")
     lines.append("    return step(*args, *values)")
     env = {"runner": runner, "step": step, "whole": runner._whole_fn, "counters": counters,
+           "inference_mode": torch.is_inference_mode_enabled,
            "fp32_precisions": runner.read_precisions}
     if token is not None:
         env["ran"], env["unguarded"] = token
