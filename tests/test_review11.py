@@ -81,3 +81,43 @@ def test_cached_under_inference_mode_not_reused_for_autograd():
     with torch.inference_mode(), torch.enable_grad():  # and back: the inference values again
         assert_bitwise(f(x), m(x))
     assert torch._dynamo.utils.counters["nosync"]["invariant_computes"] >= 2
+
+
+_TESTS = [torch.tensor(v) for v in ([1, -2, 0], [0, 3, -1], [-1, -1, 2], [2, 0, 0], [0, 0, 5], [0, 0, 0], [-1, 0, -3])]
+
+
+def _outcome(f, *a):
+    try:
+        return "ok", f(*a)
+    except RuntimeError as e:
+        return "raised", str(e)
+
+
+@pytest.mark.parametrize("dtype, op, selects", [
+    (torch.int8, lambda x: x.clamp(min=300), False),  # 300 does not fit int8: the kernel raises
+    (torch.float16, lambda x: x.clamp(min=-1e9), False),  # nor -1e9 float16
+    (torch.int8, lambda x: torch.where(x > 1, x, 300), False),
+    (torch.float32, lambda x: x.clamp(min=-1e9), True),  # fits: still selected on the device
+], ids=["int8-clamp", "float16-clamp", "int8-where", "float32-clamp"])
+def test_select_refuses_arm_with_number_that_overflows(dtype, op, selects):
+    """A branch selected on the device runs the arm eager skips; a number the kernel converts to
+    the tensor's dtype with an overflow check (a clamp bound, where's scalar) raised there,
+    although eager never ran that arm on the call (the fake tensors do not check it)."""
+    x = torch.tensor([1, 2, 3], dtype=dtype)
+
+    def step(x, t):
+        out = []
+        for i in range(t.shape[0]):
+            out.append(op(x) if t[i] > 0 else x * 1)
+        return torch.stack(out)
+
+    f = torch.compile(step, backend="nosync", options=EAGER)
+    with torch.no_grad():
+        for t in _TESTS:
+            e, g = _outcome(step, x, t), _outcome(f, x, t)
+            assert e[0] == g[0], (t, e, g)
+            if e[0] == "ok":
+                assert_bitwise(g[1], e[1])
+    reasons = {d.reason.name for d in torchsync_pass.decisions()}
+    assert ("BRANCH_WHERE" in reasons) is selects, reasons
+    assert ("BRANCH_MAY_RAISE" in reasons) is not selects, reasons

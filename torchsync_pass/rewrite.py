@@ -49,6 +49,7 @@ import dataclasses
 import dis
 import functools
 import logging
+import math
 import operator
 import threading
 import types
@@ -235,7 +236,13 @@ class Rewriter:
                 if odd:
                     raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} on {', '.join(sorted(map(str, odd)))} "
                                   "(many ops have no kernel for it: it could raise where eager skips the arm)")
-                if name in _LAYOUT or name in _ANY_DTYPE:
+                if name in _LAYOUT:
+                    continue
+                misfit = _scalar_misfit(n, dts)
+                if misfit is not None:
+                    raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} with the number {misfit[0]!r}, which "
+                                  f"{misfit[1]} cannot hold (the kernel's conversion raises where eager skips the arm)")
+                if name in _ANY_DTYPE:
                     continue
                 if name in _NOT_COMPLEX and not any(d.is_complex for d in dts) and not (
                         name == "clamp" and torch.bool in dts):  # no clamp kernel for bool
@@ -255,6 +262,36 @@ class Rewriter:
                     raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} on float16/bfloat16 (some pointwise "
                                   "functions have no such kernel: it could raise where eager skips the arm)")
         return masks
+
+
+def _fits(v: Any, dtype: torch.dtype) -> bool:
+    """Does the Python number ``v`` convert to ``dtype`` without the kernels' overflow error (a
+    clamp bound, ``torch.where``'s scalar, ``add``'s ``alpha``: ``c10::checked_convert``)?"""
+    if isinstance(v, complex):
+        return dtype.is_complex and all(_fits(p, torch.float64) for p in (v.real, v.imag))
+    if dtype is torch.bool:
+        return v in (0, 1)
+    if dtype.is_floating_point or dtype.is_complex:
+        if isinstance(v, float) and (math.isinf(v) or math.isnan(v)):
+            return True
+        info = torch.finfo(dtype)
+        return -info.max <= v <= info.max
+    info = torch.iinfo(dtype)
+    return (not isinstance(v, float) or math.isfinite(v)) and info.min <= v <= info.max
+
+
+def _scalar_misfit(n: torch.fx.Node, dtypes: set) -> Optional[tuple[Any, torch.dtype]]:
+    """A Python number among an arm op's arguments (one list deep) that some dtype the op reads or
+    makes cannot hold, with that dtype; None when every number fits every one of them. Numbers
+    that are not values (a ``dim``) are checked too: refusing a select keeps the sync, still right."""
+    vals = [*n.args, *n.kwargs.values()]
+    vals += [x for v in vals if isinstance(v, (list, tuple)) for x in v]
+    for v in vals:
+        if isinstance(v, (int, float, complex)) and not isinstance(v, bool):
+            for d in sorted(dtypes, key=str):
+                if not _fits(v, d):
+                    return v, d
+    return None
 
 
 REWRITER = Rewriter()
