@@ -121,3 +121,22 @@ def test_select_refuses_arm_with_number_that_overflows(dtype, op, selects):
     reasons = {d.reason.name for d in torchsync_pass.decisions()}
     assert ("BRANCH_WHERE" in reasons) is selects, reasons
     assert ("BRANCH_MAY_RAISE" in reasons) is not selects, reasons
+
+
+def test_unknown_options_of_mixed_key_types_named():
+    """A typo beside a non-string key: the unknown keys are named, not a TypeError from sorting."""
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match="unknown option.*'verfy'"):
+        torchsync_pass.NosyncBackend({"codegen": "eager", 1: True, "verfy": True})
+
+
+@pytest.mark.parametrize("argv", [["--max-sites", "-1"], ["--max-syncs", "-3"], ["--progress", "-1"],
+                                  ["--progress", "nan"]])
+def test_explain_refuses_negative_counts(argv, tmp_path, capsys):
+    """explain's own wrong options exit 2 naming the option (``--max-sites -1`` showed no site row
+    and claimed '... 2 more sites')."""
+    from torchsync_pass import explain
+
+    script = tmp_path / "s.py"
+    script.write_text("import torch\nt = torch.tensor(1.0)\nfor i in range(3):\n    t.item()\n")
+    assert explain.main([*argv, str(script)]) == 2
+    assert argv[0] in capsys.readouterr().err

@@ -58,7 +58,7 @@ class Options:
                 f"nosync: options must be a dict, got {type(options).__name__}"
             )
         valid = {f: cls.__dataclass_fields__[f] for f in cls.__dataclass_fields__}
-        unknown = sorted(set(options) - set(valid))
+        unknown = sorted(set(options) - set(valid), key=repr)  # keys of any type: a stray 1 beside a typo
         if unknown:
             raise NosyncOptionsError(
                 f"nosync: unknown option(s) {', '.join(map(repr, unknown))}; "

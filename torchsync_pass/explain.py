@@ -39,7 +39,7 @@ import time
 import traceback
 import types
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .report import DECISIONS, Decision, SiteKey
 
@@ -547,6 +547,17 @@ exit status (first that applies):
 """
 
 
+def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` of the text, refused (exit 2, naming the option) below 0."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value >= 0:  # NaN too
+            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -555,18 +566,18 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--max-syncs", type=int, metavar="N", default=None,
+    p.add_argument("--max-syncs", type=_non_negative(int), metavar="N", default=None,
                    help="exit 1 when the run syncs more than N times (CI gate)")
     p.add_argument("--verify", action="store_true",
                    help="compare every graph the nosync backend compiles in the run bitwise with "
                    "the eager FX graph at compile time (options verify=True forced on); list "
                    "each graph's status and exit 1 when one FAILED")
-    p.add_argument("--max-sites", type=int, metavar="N", default=40,
+    p.add_argument("--max-sites", type=_non_negative(int), metavar="N", default=40,
                    help="sites shown in the text report (default 40)")
     p.add_argument("--no-profiler", action="store_true",
                    help="count with method interception only (faster; misses torch.equal(a, b), "
                    "torch.nonzero(x) and syncs inside compiled graphs)")
-    p.add_argument("--progress", type=float, metavar="SECONDS", default=30.0,
+    p.add_argument("--progress", type=_non_negative(float), metavar="SECONDS", default=30.0,
                    help="print a progress line on stderr every SECONDS while the script runs "
                    "(default 30; 0: never)")
     p.add_argument("script", help="the Python script to run as __main__")
