@@ -4,6 +4,7 @@ commit before its fix."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -140,3 +141,155 @@ def test_explain_refuses_negative_counts(argv, tmp_path, capsys):
     script.write_text("import torch\nt = torch.tensor(1.0)\nfor i in range(3):\n    t.item()\n")
     assert explain.main([*argv, str(script)]) == 2
     assert argv[0] in capsys.readouterr().err
+
+
+# -- options['invariant'] names: checked against the frames Dynamo compiles ---------------------
+
+def _wraps(fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        return fn(*a, **k)
+    return wrapper
+
+
+def _hoists(fn, args, invariant, kwargs=None):
+    """Compile ``fn`` with strict=True and the declared names; True when a site was hoisted as
+    declared (not speculated) and the output is eager's."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    g = torch.compile(fn, backend="nosync", options={**EAGER, "invariant": invariant, "strict": True})
+    for _ in range(2):
+        assert_bitwise(g(*args, **(kwargs or {})), fn(*args, **(kwargs or {})))
+    return any(d.action.value == "hoisted" for d in torchsync_pass.decisions())
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tensor([True, False]))
+
+    def forward(self, x):
+        if self.mask.any():
+            x = x + 1
+        return x
+
+
+class _InferenceForward(_Masked):
+    @torch.inference_mode()
+    def forward(self, x):
+        return super().forward(x)
+
+
+def _helper(y):
+    z = y * 3
+    torch._dynamo.graph_break()  # Dynamo compiles _helper as a frame of its own
+    return z + 1
+
+
+def _step_helper(x, tt):
+    if (tt == 2).any():
+        x = x + 1
+    return _helper(x)
+
+
+@torch.no_grad()
+def _step_no_grad(x, tt):
+    if (tt == 2).any():
+        x = x + 1
+    return x
+
+
+@_wraps
+def _step_wrapped(x, tt):
+    if (tt == 2).any():
+        x = x + 1
+    return x
+
+
+def _hooked():
+    m = _Masked()
+    m.register_forward_pre_hook(lambda mod, args: (args[0] * 2,))
+    return m
+
+
+@pytest.mark.parametrize("case", ["no_grad", "wraps", "inference_forward", "pre_hook", "helper_frame"])
+def test_strict_accepts_names_of_the_compiled_function(case):
+    """strict=True raised NosyncOptionsError for a valid name whenever Dynamo compiled a frame
+    other than the user's function: torch's decorator wrappers, a functools.wraps wrapper, a
+    forward pre-hook, a callee compiled as its own frame after a graph break."""
+    x, tt = torch.ones(2, 3), torch.tensor([2, 0])
+    fn, args, names = {
+        "no_grad": (_step_no_grad, (x, tt), ["tt"]),
+        "wraps": (_step_wrapped, (x, tt), ["tt"]),
+        "inference_forward": (_InferenceForward(), (x,), ["self.mask"]),
+        "pre_hook": (_hooked(), (x,), ["self.mask"]),
+        "helper_frame": (_step_helper, (x, tt), ["tt"]),
+    }[case]
+    assert _hoists(fn, args, names)
+
+
+def test_names_through_var_keyword_and_var_positional():
+    def step(x, **kw):
+        if kw["extra"].any():
+            return x + 1
+        return x - 1
+
+    def step2(x, *args):
+        if args[0].any():
+            return x + 1
+        return x - 1
+
+    with torch.inference_mode():
+        ex = torch.tensor([True])  # an inference tensor: hoisted only when declared
+    x = torch.arange(3.0)
+    assert _hoists(step, (x,), ["kw.extra"], {"extra": ex})
+    assert _hoists(step2, (x, ex), ["args.0"])
+
+
+class _LoraStyle(nn.Module):
+    """A forward wrapped the way diffusers wraps its models' (``wrapper(self, *args, **kwargs)``)."""
+
+    @_wraps
+    def forward(self, x, ids):
+        if (ids > 0).any():
+            return x + 1
+        return x
+
+
+@pytest.mark.parametrize("name", ["ids", "k.ids"])
+def test_keyword_name_through_a_wrapped_forward(name, caplog):
+    """Declaring an argument of a forward that a decorator wraps in ``**kwargs`` by its own name
+    warned 'no argument' and declared nothing; only 'k.ids' (the wrapper's own name) worked, and strict refused it."""
+    with torch.inference_mode():
+        ids = torch.ones(3)  # an inference tensor: hoisted only when declared
+    assert _hoists(_LoraStyle(), (), [name], {"x": torch.randn(3), "ids": ids})
+    assert "options['invariant']" not in caplog.text
+
+
+def test_strict_raises_at_every_compile_for_a_misspelt_name():
+    def step(x, token_types):
+        if (token_types == 2).any():
+            x = x + 1
+        return x
+
+    x, tt = torch.ones(2), torch.tensor([2, 0])
+    for _ in range(2):
+        g = torch.compile(step, backend="nosync", options={**EAGER, "invariant": ["token_type"], "strict": True})
+        with pytest.raises(torchsync_pass.NosyncOptionsError, match="token_type"):
+            g(x, tt)
+
+
+def test_declared_module_is_named_not_silently_ignored():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(4, 3)
+
+        def forward(self, x):
+            if (self.emb.weight > 0).any():
+                x = x + 1
+            return x
+
+    g = torch.compile(M(), backend="nosync", options={**EAGER, "invariant": ["self.emb"], "strict": True})
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match=r"not a tensor.*self\.emb\.weight"):
+        g(torch.ones(2))

@@ -48,7 +48,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import fx
 
-from . import _torch_private, symbolic
+from . import _torch_private, dynamo_hooks, symbolic
 from .report import Reason, SiteKey
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,23 @@ def dotted_name(source: str) -> str:
     return s
 
 
+def _varkw_prefix() -> Optional[str]:
+    """``"kwargs."`` when the frame Dynamo compiles takes ``**kwargs`` (a decorator's
+    ``wrapper(self, *args, **kwargs)``, as diffusers wraps its models' forward), else None."""
+    code = dynamo_hooks.current_frame()[0]
+    if code is None or not code.co_flags & inspect.CO_VARKEYWORDS:
+        return None
+    i = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
+    return code.co_varnames[i] + "."
+
+
 def is_declared(name: str, declared: Iterable[str]) -> bool:
+    """Is the leaf of user name ``name`` (``self.attn.mask``) among the declared names? ``mask``
+    declares ``self.mask``; through a wrapper's ``**kwargs`` (``kwargs.ids``) the keyword's own
+    name (``ids``) declares it."""
+    prefix = _varkw_prefix() if "." in name else None
+    if prefix is not None and name.startswith(prefix) and name[len(prefix):] in declared:
+        return True
     for d in declared:
         if name == d or (name.startswith("self.") and name[len("self.") :] == d):
             return True

@@ -27,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import inspect
 import itertools
 import json
 import logging
 import operator
+import os
 import struct
 import threading
 import weakref
@@ -523,6 +525,7 @@ def reset(keep_decisions: bool = False) -> None:
         _budget_frames.clear()
         _recompiles_seen.clear()
         _warned_names.clear()
+        _resolved_names.clear()
     dynamo_hooks.reset()
     if not keep_decisions:
         DECISIONS.clear()
@@ -678,34 +681,68 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
 
 
 _warned_names: set = set()
+# options['invariant'] -> its names that resolved in a frame compiled with it
+_resolved_names: dict[tuple, set] = {}
 
 
 def _check_declared_names(site: dynamo_hooks.SyncSite, opts: Any) -> None:
+    root = dynamo_hooks.current_frame()
+    if root[0] is not None and root[0] is not site.frame_code:  # the site is in an inlined call:
+        check_declared_names(*root, opts, report=False)  # a name of the frame compiled is fine too
     check_declared_names(site.frame_code, site.frame_locals, opts)
 
 
-def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
+def check_declared_names(code: Any, frame_locals: Any, opts: Any, report: bool = True) -> None:
     """Warn once per name when ``options['invariant']`` names nothing the compiled function can
     reach: no such argument, or a dotted path whose attribute does not exist (a typo would
     otherwise just leave the site speculated or rejected, or nothing cached). With ``strict``,
-    raise instead. Asked at each sync site and, for invariant caching, for each compiled graph."""
+    raise instead (at every compile that meets it). Asked at each sync site and, for invariant
+    caching, for each compiled graph.
+
+    Dynamo compiles frames other than the function given to ``torch.compile``: torch's own
+    wrappers (``@torch.no_grad()``, ``@torch.inference_mode()``), a decorator's
+    ``wrapper(*args, **kwargs)`` (the names are those of the function it calls, inlined), a
+    module hook (the module is its argument ``mod``), a callee compiled as a frame of its own
+    after a graph break. A name is not reported in such a frame: not in torch's files, not where
+    the frame passes ``*args``/``**kwargs`` on, not once it has resolved in a frame compiled with
+    the same declared list, and ``self.x`` resolves against a module argument of any name.
+    ``report=False``: only note the names that resolve.
+    """
     if not opts.invariant or code is None or dynamo_hooks.RESUME_RE.match(code.co_name):
         return
+    if _in_torch(code.co_filename):
+        return
     nargs = code.co_argcount + code.co_kwonlyargcount
+    passes_on = bool(code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS))
+    nargs += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
     args = code.co_varnames[:nargs]
+    # NOTE: by the declared list, not the options object: a string backend parses its options anew
+    # for every frame
+    resolved = _resolved_names.setdefault(tuple(map(str, opts.invariant)), set())
     for name in opts.invariant:
-        key = (code, name)
-        if key in _warned_names:
-            continue
-        _warned_names.add(key)  # checked once per compiled function and name
         problem = _declared_name_problem(name, args, frame_locals)
+        if problem is not None and code.co_flags & inspect.CO_VARKEYWORDS:  # a keyword passed on
+            problem = _declared_name_problem(f"{args[-1]}.{name}", args, frame_locals) and problem
         if problem is None:
+            resolved.add(name)
+            continue
+        if not report or name in resolved or (passes_on and name.split(".")[0] not in args):
             continue
         message = (f"nosync: options['invariant'] names {name!r}, but {problem} "
                    f"({code.co_name} takes: {', '.join(args) or 'no arguments'})")
         if opts.strict:
             raise NosyncOptionsError(message + "; options['strict'] is True")
-        log.warning("%s", message)
+        key = (code, name)
+        if key not in _warned_names:  # warned once per compiled function and name
+            _warned_names.add(key)
+            log.warning("%s", message)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _in_torch(filename: str) -> bool:
+    return filename.startswith(_TORCH_DIR)
 
 
 def _declared_name_problem(name: str, args: tuple, scope: Any) -> Optional[str]:
@@ -717,6 +754,11 @@ def _declared_name_problem(name: str, args: tuple, scope: Any) -> Optional[str]:
     elif "self" in args:
         path = ["self"] + parts  # "mask" may mean self.mask
     else:
+        # a module hook's ``mod``: "self.mask" (or "mask") names the module's buffer
+        rest = parts[1:] if parts[0] == "self" else parts
+        modules = [a for a in args if isinstance(scope, dict) and isinstance(scope.get(a), torch.nn.Module)]
+        if any(_declared_name_problem(".".join([a, *rest]), (a,), scope) is None for a in modules):
+            return None
         return f"there is no argument {parts[0]!r}"
     if not isinstance(scope, dict) or path[0] not in scope:
         return None
@@ -732,6 +774,11 @@ def _declared_name_problem(name: str, args: tuple, scope: Any) -> Optional[str]:
         except (AttributeError, KeyError, IndexError, TypeError):
             what = f"{'.'.join(path[:i])} ({type(obj).__name__}) has no attribute {part!r}"
             return what if path is parts else f"there is no argument {parts[0]!r} and {what}"
+    if not isinstance(obj, torch.Tensor):  # a declaration names one tensor: a module declares nothing
+        tensors = [n for n, _ in itertools.chain(obj.named_parameters(), obj.named_buffers())][:3] \
+            if isinstance(obj, torch.nn.Module) else []
+        hint = f" (declare its tensors: {', '.join(repr(name + '.' + t) for t in tensors)})" if tensors else ""
+        return f"{'.'.join(path)} is a {type(obj).__name__}, not a tensor{hint}"
     return None
 
 
