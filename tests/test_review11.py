@@ -293,3 +293,23 @@ def test_declared_module_is_named_not_silently_ignored():
     g = torch.compile(M(), backend="nosync", options={**EAGER, "invariant": ["self.emb"], "strict": True})
     with pytest.raises(torchsync_pass.NosyncOptionsError, match=r"not a tensor.*self\.emb\.weight"):
         g(torch.ones(2))
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"modes": ()}, ValueError, "no mode"),
+    ({"calls": []}, ValueError, "calls is empty"),
+    ({"calls": 5}, TypeError, "calls must be"),
+    ({"calls": lambda i, state, prev: None}, ValueError, "ran no step"),
+    ({"steps": 0}, ValueError, "ran no step"),
+])
+def test_verify_loop_refuses_a_loop_that_compares_nothing(kwargs, error, match):
+    """verify_loop reported ok having compared nothing (no mode, no step), and calls=5 failed with
+    a bare "'int' object is not iterable"."""
+    args = {"calls": [((torch.ones(2),), {})], "modes": ("nosync-eager",), **kwargs}
+    with pytest.raises(error, match=match):
+        torchsync_pass.verify_loop(lambda x: x + 1, args.pop("calls"), **args)
+
+
+def test_verify_loop_takes_one_mode_as_a_string():
+    r = torchsync_pass.verify_loop(lambda x: x + 1, [((torch.ones(2),), {})], modes="nosync-eager")
+    assert r.ok and [m.name for m in r.modes] == ["nosync-eager"] and r.steps == 1

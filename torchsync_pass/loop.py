@@ -65,6 +65,8 @@ def resolve_modes(
     hoisted: Callable[..., Any] | None = None,
 ) -> list[LoopMode]:
     """The :class:`LoopMode` list :func:`verify_loop` runs for ``modes`` (presets expanded, references added)."""
+    if isinstance(modes, (str, LoopMode)):  # one mode: not its characters
+        modes = (modes,)
     out: list[LoopMode] = []
     for m in modes:
         if isinstance(m, LoopMode):
@@ -312,9 +314,17 @@ def verify_loop(
     """
     resolved = resolve_modes(modes, options, hoisted)
     if not callable(calls):
-        calls = list(calls)
+        try:
+            calls = list(calls)
+        except TypeError:
+            raise TypeError(f"verify_loop: calls must be a list of (args, kwargs) pairs or a function "
+                            f"calls(i, state, prev), got {type(calls).__name__}") from None
+        if not calls:
+            raise ValueError("verify_loop: calls is empty: no step to compare")
         for i, item in enumerate(calls):
             _check_call(item, i)
+    if not resolved:
+        raise ValueError("verify_loop: no mode to compare with eager (modes is empty)")
     state0 = setup() if setup is not None else None
     extra_steps = tuple(m.step for m in resolved if m.step is not None)
     originals = (step, extra_steps, calls, state0)
@@ -333,6 +343,9 @@ def verify_loop(
             rng.restore()
         eager_final = snapshot(_final_state(eager_step, eager_calls, eager_state))
         n = len(eager_outs)
+        if n == 0:
+            raise ValueError("verify_loop: the loop ran no step (calls ended at once, or steps is 0): "
+                             "nothing to compare")
 
         reference_outs: dict[str, list[Any]] = {}
         reference_finals: dict[str, Any] = {}
