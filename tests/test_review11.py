@@ -313,3 +313,80 @@ def test_verify_loop_refuses_a_loop_that_compares_nothing(kwargs, error, match):
 def test_verify_loop_takes_one_mode_as_a_string():
     r = torchsync_pass.verify_loop(lambda x: x + 1, [((torch.ones(2),), {})], modes="nosync-eager")
     assert r.ok and [m.name for m in r.modes] == ["nosync-eager"] and r.steps == 1
+
+
+# -- hoisted syncs (review 11, helper on staleness) ----------------------------------------------
+
+def _written_then_read(x, m2):
+    a = 1 if x.sum() > 0 else 2  # hoisted, leaf x (read before the write)
+    x.add_(10)  # the graph writes x
+    b = m2.sum().item()  # hoisted, leaf m2 (read after the write)
+    return a, b
+
+
+def _two_leaves_one_written(a, b):
+    k1 = a.sum().item()
+    a.mul_(2)
+    k2 = b.sum().item()
+    return k1, k2
+
+
+@pytest.mark.parametrize("fn, view", [
+    (_written_then_read, lambda t: t.view(2, 2).view(-1)),
+    (_two_leaves_one_written, lambda t: t[:]),
+])
+def test_written_leaf_aliased_by_another_leaf_at_run_time(fn, view):
+    """An input the graph writes that is itself a hoisted leaf was not checked against the other
+    leaves: a second leaf passed as a view of it on a later call was computed by the guard before
+    the write, while eager reads it after."""
+    c = torch.compile(fn, backend="nosync", options=EAGER)
+    c(torch.ones(4), torch.ones(4))  # traced with distinct tensors
+    b2, b3 = torch.ones(4), torch.ones(4)
+    assert c(b2, view(b2)) == fn(b3, view(b3))
+    assert torch.equal(b2, b3)
+
+
+class _MaskArg(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tensor([1.0, 0.0, 1.0]))
+
+    def forward(self, x, mask):
+        k = mask.sum().item()  # the argument `mask`, which nobody declared
+        return x * self.mask * k
+
+
+def test_declared_self_attribute_does_not_declare_an_argument_of_that_name():
+    """``invariant=["self.mask"]`` also declared an argument named ``mask`` (an undeclared
+    inference tensor, then hoisted and guarded by identity only: stale after an in-place write)."""
+    m = _MaskArg()
+    c = torch.compile(m, backend="nosync", options={**EAGER, "invariant": ["self.mask"]})
+    x = torch.ones(3)
+    with torch.inference_mode():
+        a = torch.ones(3)
+        c(x, a)
+        a.mul_(5)
+        assert_bitwise(c(x, a), m(x, a))
+    assert not [d for d in torchsync_pass.decisions() if d.action.value == "hoisted"]
+
+
+_GLOBAL_MASK = None
+
+
+def _reads_global(x):
+    return x * _GLOBAL_MASK.sum().item()
+
+
+def test_declared_name_does_not_declare_a_global():
+    """``invariant=["mask"]`` was applied to a module global of that name (an inference tensor,
+    then guarded by identity only), though the name check says no argument has it."""
+    global _GLOBAL_MASK
+    with torch.inference_mode():
+        _GLOBAL_MASK = torch.ones(3)
+        c = torch.compile(_reads_global, backend="nosync",
+                          options={**EAGER, "invariant": ["_GLOBAL_MASK"]})
+        x = torch.ones(3)
+        c(x)
+        _GLOBAL_MASK.mul_(5)
+        assert_bitwise(c(x), _reads_global(x))
+    _GLOBAL_MASK = None

@@ -125,17 +125,19 @@ def _varkw_prefix() -> Optional[str]:
     return code.co_varnames[i] + "."
 
 
-def is_declared(name: str, declared: Iterable[str]) -> bool:
-    """Is the leaf of user name ``name`` (``self.attn.mask``) among the declared names? ``mask``
-    declares ``self.mask``; through a wrapper's ``**kwargs`` (``kwargs.ids``) the keyword's own
-    name (``ids``) declares it."""
+def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
+    """Is the leaf of user name ``name`` (``self.attn.mask``) and guard source ``source`` among the
+    declared names? ``mask`` declares ``self.mask`` (and an argument ``mask``); ``self.mask`` only
+    the module's; a global (``G[...]``) is never declared (names are arguments and their
+    attributes). Through a wrapper's ``**kwargs`` (``kwargs.ids``) the keyword's own name (``ids``)
+    declares it."""
+    if source.startswith("G["):
+        return False
     prefix = _varkw_prefix() if "." in name else None
     if prefix is not None and name.startswith(prefix) and name[len(prefix):] in declared:
         return True
     for d in declared:
-        if name == d or (name.startswith("self.") and name[len("self.") :] == d):
-            return True
-        if d.startswith("self.") and name == d[len("self.") :]:
+        if name == d or (not d.startswith("self.") and name == "self." + d):
             return True
     return False
 
@@ -620,7 +622,7 @@ def analyze_cone(
                     if leaf.role == "wrapped" else f"a {type(leaf.example).__name__}")
             return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is {what}")
         name = dotted_name(leaf.source)
-        decl = is_declared(name, declared)
+        decl = is_declared(name, declared, leaf.source)
         if leaf.example.is_inference() and not decl:
             return ConeResult(False, Reason.INFERENCE_TENSOR, f"{name} is an inference tensor")
         if leaf.example.requires_grad and not decl:

@@ -806,21 +806,27 @@ _FAILURES = itertools.count()
 
 
 class WrittenInputs:
-    """The inputs (other than hoisted leaves) that the graph of one compile writes in place, as a
-    getter over the frame's ``L, G``: filled by :func:`guard_written_inputs` once the backend has
-    the whole graph, read by every guard of that compile."""
+    """The inputs that the graph of one compile writes in place, each with the hoisted leaves it
+    did not share memory with at trace time, as a getter over the frame's ``L, G``: filled by
+    :func:`guard_written_inputs` once the backend has the whole graph, read by every guard of that
+    compile."""
 
-    __slots__ = ("getter", "__weakref__")
+    __slots__ = ("getter", "pairs", "__weakref__")
 
     def __init__(self) -> None:
         self.getter: Optional[Callable[[Any, Any], tuple]] = None
+        # (position of a written input, positions of the leaves to compare it with) in getter's tuple
+        self.pairs: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
-    def alias(self, L: Any, G: Any, leaves: tuple) -> bool:
-        """Does one of these inputs share memory (its storage) with a leaf on this call?"""
+    def alias(self, L: Any, G: Any, leaves: tuple = ()) -> bool:
+        """Does one of these inputs share memory (its storage) with one of its leaves on this call?
+        (``leaves``, the calling check's, are among the graph's hoisted leaves the getter reads.)"""
         if self.getter is None:
             return False
         try:
-            return dynamo_hooks.shares_storage(self.getter(L, G), leaves)
+            values = self.getter(L, G)
+            return any(dynamo_hooks.shares_storage((values[w],), [values[i] for i in others])
+                       for w, others in self.pairs)
         except Exception:
             return True  # cannot tell: fail the guard (a recompile), never a stale value
 
@@ -843,29 +849,45 @@ def guard_written_inputs(graph: Any, compile_id: Optional[str]) -> None:
     shares memory with a hoisted leaf (a view of the leaf passed as that argument): the guard
     computes the hoisted value before the frame runs, eager reads the leaf after the write.
 
-    NOTE: an input whose traced value already shared a leaf's storage is not checked: the cone
-    analysis saw that aliasing (and a graph that writes a leaf itself bumps its version).
+    NOTE: an input is not compared with a leaf whose storage its traced value already shared: the
+    cone analysis saw that aliasing (and a graph that writes a leaf itself bumps its version).
     """
     with _lock:
         holder = _written_by_compile.get(compile_id)
     if holder is None:
         return
-    leaves = hoisted_leaf_storages(graph)
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    leaves = [(q, storage_of(q)) for q in placeholders if q.meta.get(HOISTED_LEAF_META)]
+    leaves = [(q, key) for q, key in leaves if key is not None]
     if not leaves:
         return
     written = written_storages(graph)
-    sources = []
-    for p in graph.find_nodes(op="placeholder"):
+    sources: list[str] = []
+
+    def at(source: str) -> int:
+        if source not in sources:
+            sources.append(source)
+        return sources.index(source)
+
+    pairs = []
+    for p in placeholders:
         key = storage_of(p)
-        if key is None or key not in written or key in leaves:
+        if key is None or key not in written:
+            continue
+        # NOTE: a written input that is itself a hoisted leaf (or shared a leaf's storage at trace
+        # time) is compared with the *other* leaves: a second leaf passed as a view of it is read
+        # after the write in eager, before it by the guard
+        others = [dynamo_hooks.leaf_of(q) for q, k in leaves if k != key]
+        if not others:
             continue
         leaf = dynamo_hooks.leaf_of(p)
-        if leaf is None:  # no source a guard can read: the sites of this graph are not hoisted
+        if leaf is None or any(o is None for o in others):  # no source a guard can read
             _demote_graph_sites(graph, f"graph input {p.name} is written in place and has no source "
                                 "a guard can read to check that it does not alias a leaf", compile_id)
             return
-        sources.append(leaf.source)
-    if sources:
+        pairs.append((at(leaf.source), tuple(at(o.source) for o in others)))
+    if pairs:
+        holder.pairs = tuple(pairs)
         holder.getter = dynamo_hooks.leaf_getter(sources)
 
 
