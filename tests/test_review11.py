@@ -390,3 +390,30 @@ def test_declared_name_does_not_declare_a_global():
         _GLOBAL_MASK.mul_(5)
         assert_bitwise(c(x), _reads_global(x))
     _GLOBAL_MASK = None
+
+
+class _DataWrite(nn.Module):
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.view = view
+        self.register_buffer("buf", torch.tensor([1.0, 2.0, 3.0]))
+
+    def forward(self, x):
+        k = self.buf.sum().item()  # hoisted
+        if self.view:
+            self.buf.data[:2].add_(1)
+        else:
+            self.buf.data.add_(1)  # writes the buffer without bumping its _version
+        return x * k
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["data", "data-view"])
+def test_write_through_data_in_the_graph_demotes(view):
+    """The graph writes a hoisted leaf through ``.data`` after reading it: the leaf's version does
+    not move, so every later call was served the value from before the first write."""
+    m, ref = _DataWrite(view), _DataWrite(view)
+    c = torch.compile(m, backend="nosync", options=EAGER)
+    x = torch.ones(2)
+    for _ in range(3):
+        assert_bitwise(c(x), ref(x))
+    assert [d for d in torchsync_pass.decisions() if d.reason.name == "HIDDEN_WRITER"]

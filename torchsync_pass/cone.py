@@ -709,12 +709,28 @@ def hidden_writes_to_hoisted(graph: fx.Graph) -> list[tuple[Any, str]]:
     if not leaves:
         return out
     for n in graph.nodes:
-        for target in hidden_written_nodes(n):
+        # a write through ``leaf.data`` (or a view of it) bumps the version of the ``.data`` tensor,
+        # not the leaf's
+        through_data = [w for w in written_nodes(n) if _through_data(w)]
+        for target in hidden_written_nodes(n) + through_data:
             leaf = leaves.get(storage_of(target))
             if leaf is not None:
                 what = f"{_target_name(n)} writes {leaf.name} without bumping _version at {_where(n)}"
                 out += [(owner, what) for owner in leaf.meta[HOISTED_LEAF_META]]
     return out
+
+
+def _through_data(node: fx.Node) -> bool:
+    """Is ``node`` a ``t.data`` (``_get_data_attr``) or a view of one (same storage, first argument)?"""
+    key = storage_of(node)
+    for _ in range(64):
+        if _target_name(node) == "_get_data_attr":
+            return True
+        first = node.args[0] if node.op in ("call_function", "call_method") and node.args else None
+        if not isinstance(first, fx.Node) or key is None or storage_of(first) != key:
+            return False
+        node = first
+    return False
 
 
 def signature(graph: fx.Graph) -> tuple:
