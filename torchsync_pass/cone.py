@@ -69,8 +69,8 @@ _INPLACE_OPERATORS = {operator.setitem} | {  # x[i] = v, and x += y, x -= y, ...
 }
 # ``t.__iadd__(v)`` spelled out: Dynamo traces it as a call of the method itself, not as
 # ``operator.iadd``, and its name ends with "__", not "_".
-_INPLACE_DUNDERS = {"__i" + op + "__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
-                                                   "and", "or", "xor", "lshift", "rshift", "matmul")}
+_INPLACE_DUNDERS = {"__i" + op + "__" for op in ("add", "sub", "mul", "div", "truediv", "floordiv", "mod",
+                                                   "pow", "and", "or", "xor", "lshift", "rshift", "matmul")}
 _SAFE_PRIVATE = {"_unsafe_view"}
 # A resume function's stack inputs: values an earlier graph of the frame handed across a break.
 _RESUME_STACK = re.compile(r"L\['___stack\d+'\]")
@@ -115,22 +115,29 @@ def dotted_name(source: str) -> str:
     return s
 
 
+def pass_through(code: Any) -> bool:
+    """Is ``code`` a decorator's pass-through wrapper: ``wrapper(*args, **kwargs)`` or
+    ``wrapper(self, *args, **kwargs)`` (as diffusers wraps its models' forward), no other argument?"""
+    flags = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+    named = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    return code.co_flags & flags == flags and set(named) <= {"self"}
+
+
 def _varkw_prefix() -> Optional[str]:
-    """``"kwargs."`` when the frame Dynamo compiles takes ``**kwargs`` (a decorator's
-    ``wrapper(self, *args, **kwargs)``, as diffusers wraps its models' forward), else None."""
+    """``"kwargs."`` when the frame Dynamo compiles is a pass-through wrapper (:func:`pass_through`),
+    else None: its keyword arguments are those of the function it calls."""
     code = dynamo_hooks.current_frame()[0]
-    if code is None or not code.co_flags & inspect.CO_VARKEYWORDS:
+    if code is None or not pass_through(code):
         return None
-    i = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
-    return code.co_varnames[i] + "."
+    return code.co_varnames[code.co_argcount + code.co_kwonlyargcount + 1] + "."
 
 
 def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
     """Is the leaf of user name ``name`` (``self.attn.mask``) and guard source ``source`` among the
     declared names? ``mask`` declares ``self.mask`` (and an argument ``mask``); ``self.mask`` only
     the module's; a global (``G[...]``) is never declared (names are arguments and their
-    attributes). Through a wrapper's ``**kwargs`` (``kwargs.ids``) the keyword's own name (``ids``)
-    declares it."""
+    attributes). Through a pass-through wrapper's ``**kwargs`` (``kwargs.ids``) the keyword's own
+    name (``ids``) declares it."""
     if source.startswith("G["):
         return False
     prefix = _varkw_prefix() if "." in name else None

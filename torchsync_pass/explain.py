@@ -548,11 +548,12 @@ exit status (first that applies):
 
 
 def _non_negative(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    """An argparse type: ``kind`` of the text, refused (exit 2, naming the option) below 0."""
+    """An argparse type: ``kind`` of the text, refused (exit 2, naming the option) below 0 or from
+    1e9 on."""
     def parse(text: str) -> Any:
         value = kind(text)
-        if not value >= 0:  # NaN too
-            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+        if not 0 <= value < 1e9:  # NaN and inf too (a wait that long overflows the clock)
+            raise argparse.ArgumentTypeError(f"must be 0 or more and finite (below 1e9), got {text}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its message
     return parse

@@ -34,6 +34,7 @@ import logging
 import operator
 import os
 import struct
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _torch_private, dynamo_hooks
-from .cone import (HOISTED_LEAF_META, ConeResult, analyze_cone, cone_of, storage_of,
+from .cone import (HOISTED_LEAF_META, ConeResult, analyze_cone, cone_of, pass_through, storage_of,
                    hidden_writes_to_hoisted, hoisted_leaf_storages, mark_hoisted, state_region_of, written_storages)
 from .errors import NosyncOptionsError
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
@@ -681,7 +682,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
 
 
 _warned_names: set = set()
-# options['invariant'] -> its names that resolved in a frame compiled with it
+# (function, options['invariant']) -> its names that resolved in a frame of that function
 _resolved_names: dict[tuple, set] = {}
 
 
@@ -694,39 +695,40 @@ def _check_declared_names(site: dynamo_hooks.SyncSite, opts: Any) -> None:
 
 def check_declared_names(code: Any, frame_locals: Any, opts: Any, report: bool = True) -> None:
     """Warn once per name when ``options['invariant']`` names nothing the compiled function can
-    reach: no such argument, or a dotted path whose attribute does not exist (a typo would
-    otherwise just leave the site speculated or rejected, or nothing cached). With ``strict``,
-    raise instead (at every compile that meets it). Asked at each sync site and, for invariant
-    caching, for each compiled graph.
+    reach: no such argument, or a dotted path whose attribute does not exist, or a path to
+    something that is not a tensor (a typo would otherwise just leave the site speculated or
+    rejected, or nothing cached). With ``strict``, raise instead (at every compile that meets it).
+    Asked at each sync site and, for invariant caching, for each compiled graph.
 
-    Dynamo compiles frames other than the function given to ``torch.compile``: torch's own
-    wrappers (``@torch.no_grad()``, ``@torch.inference_mode()``), a decorator's
-    ``wrapper(*args, **kwargs)`` (the names are those of the function it calls, inlined), a
-    module hook (the module is its argument ``mod``), a callee compiled as a frame of its own
-    after a graph break. A name is not reported in such a frame: not in torch's files, not where
-    the frame passes ``*args``/``**kwargs`` on, not once it has resolved in a frame compiled with
-    the same declared list, and ``self.x`` resolves against a module argument of any name.
-    ``report=False``: only note the names that resolve.
+    Dynamo compiles frames other than the function given to ``torch.compile``, where the names do
+    not belong and are not reported: torch's own wrappers (``@torch.no_grad()``), a decorator's
+    pass-through ``wrapper(*args, **kwargs)`` (the names are those of the function it calls,
+    inlined), a module's hook (called by ``nn.Module._call_impl``, not its ``forward``), a callee
+    compiled as a frame of its own after a graph break (a name that resolved in a caller on the
+    stack). ``report=False``: only note the names that resolve.
     """
     if not opts.invariant or code is None or dynamo_hooks.RESUME_RE.match(code.co_name):
         return
     if _in_torch(code.co_filename):
         return
     nargs = code.co_argcount + code.co_kwonlyargcount
-    passes_on = bool(code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS))
     nargs += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
     args = code.co_varnames[:nargs]
-    # NOTE: by the declared list, not the options object: a string backend parses its options anew
-    # for every frame
-    resolved = _resolved_names.setdefault(tuple(map(str, opts.invariant)), set())
+    declared = tuple(map(str, opts.invariant))
+    resolved = _resolved_names.setdefault((_code_key(code), declared), set())
+    failed = []
     for name in opts.invariant:
         problem = _declared_name_problem(name, args, frame_locals)
-        if problem is not None and code.co_flags & inspect.CO_VARKEYWORDS:  # a keyword passed on
+        if problem is not None and pass_through(code):  # a keyword passed on
             problem = _declared_name_problem(f"{args[-1]}.{name}", args, frame_locals) and problem
         if problem is None:
             resolved.add(name)
-            continue
-        if not report or name in resolved or (passes_on and name.split(".")[0] not in args):
+        else:
+            failed.append((name, problem))
+    if not report or not failed or pass_through(code) or _is_module_hook(code):
+        return
+    for name, problem in failed:
+        if _resolved_on_stack(name, declared):
             continue
         message = (f"nosync: options['invariant'] names {name!r}, but {problem} "
                    f"({code.co_name} takes: {', '.join(args) or 'no arguments'})")
@@ -745,6 +747,35 @@ def _in_torch(filename: str) -> bool:
     return filename.startswith(_TORCH_DIR)
 
 
+def _code_key(code: Any) -> tuple:
+    """The same for a function's code and the code Dynamo runs for it (a transformed copy)."""
+    return (code.co_filename, code.co_firstlineno, code.co_name)
+
+
+def _resolved_on_stack(name: str, declared: tuple) -> bool:
+    """Did ``name`` resolve in a frame that is running now (a caller of the frame compiled)?"""
+    f = sys._getframe(1)
+    while f is not None:
+        got = _resolved_names.get((_code_key(f.f_code), declared))
+        if got is not None and name in got:
+            return True
+        f = f.f_back
+    return False
+
+
+def _is_module_hook(code: Any) -> bool:
+    """Is ``code`` called by ``nn.Module._call_impl`` without being its module's ``forward`` (a
+    forward pre-hook or hook compiled as a frame of its own)?"""
+    call_impl = getattr(torch.nn.Module._call_impl, "__code__", None)
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is call_impl:
+            forward = getattr(type(f.f_locals.get("self")), "forward", None)
+            return _code_key(getattr(forward, "__code__", code)) != _code_key(code)
+        f = f.f_back
+    return False
+
+
 def _declared_name_problem(name: str, args: tuple, scope: Any) -> Optional[str]:
     """Why ``name`` (``"token_types"``, ``"self.attn.mask"``, ``"mask"`` for ``self.mask``) does
     not resolve in the frame, or None when it does (or cannot be checked)."""
@@ -754,11 +785,6 @@ def _declared_name_problem(name: str, args: tuple, scope: Any) -> Optional[str]:
     elif "self" in args:
         path = ["self"] + parts  # "mask" may mean self.mask
     else:
-        # a module hook's ``mod``: "self.mask" (or "mask") names the module's buffer
-        rest = parts[1:] if parts[0] == "self" else parts
-        modules = [a for a in args if isinstance(scope, dict) and isinstance(scope.get(a), torch.nn.Module)]
-        if any(_declared_name_problem(".".join([a, *rest]), (a,), scope) is None for a in modules):
-            return None
         return f"there is no argument {parts[0]!r}"
     if not isinstance(scope, dict) or path[0] not in scope:
         return None

@@ -67,6 +67,8 @@ def resolve_modes(
     """The :class:`LoopMode` list :func:`verify_loop` runs for ``modes`` (presets expanded, references added)."""
     if isinstance(modes, (str, LoopMode)):  # one mode: not its characters
         modes = (modes,)
+    if modes is None:
+        raise ValueError("modes is None: give mode names (e.g. ('nosync-eager',)) or LoopMode objects")
     out: list[LoopMode] = []
     for m in modes:
         if isinstance(m, LoopMode):

@@ -238,7 +238,9 @@ class Rewriter:
                                   "(many ops have no kernel for it: it could raise where eager skips the arm)")
                 if name in _LAYOUT:
                     continue
-                misfit = _scalar_misfit(n, dts)
+                outs = cone._example(n)
+                misfit = _scalar_misfit(n, {o.dtype for o in (outs if isinstance(outs, (list, tuple)) else [outs])
+                                            if isinstance(o, torch.Tensor)})
                 if misfit is not None:
                     raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} with the number {misfit[0]!r}, which "
                                   f"{misfit[1]} cannot hold (the kernel's conversion raises where eager skips the arm)")
@@ -281,9 +283,10 @@ def _fits(v: Any, dtype: torch.dtype) -> bool:
 
 
 def _scalar_misfit(n: torch.fx.Node, dtypes: set) -> Optional[tuple[Any, torch.dtype]]:
-    """A Python number among an arm op's arguments (one list deep) that some dtype the op reads or
-    makes cannot hold, with that dtype; None when every number fits every one of them. Numbers
-    that are not values (a ``dim``) are checked too: refusing a select keeps the sync, still right."""
+    """A Python number among an arm op's arguments (one list deep) that a dtype the op makes (the
+    one the kernel converts its numbers to) cannot hold, with that dtype; None when every number
+    fits. Numbers that are not values (a ``dim``) are checked too: refusing a select keeps the
+    sync, still right."""
     vals = [*n.args, *n.kwargs.values()]
     vals += [x for v in vals if isinstance(v, (list, tuple)) for x in v]
     for v in vals:
