@@ -506,3 +506,30 @@ def test_select_keeps_arms_whose_numbers_fit_the_result(op):
         for t in _TESTS:
             assert_bitwise(f(x, t), step(x, t))
     assert "BRANCH_WHERE" in {d.reason.name for d in torchsync_pass.decisions()}
+
+
+def test_dynamo_restart_signal_from_codegen_is_not_a_codegen_failure(monkeypatch, caplog):
+    """Inductor's AOT pass raises TensorifyScalarRestartAnalysis (Dynamo's signal to retrace with
+    a float specialised, on a cold cache); nosync caught it as a codegen failure and ran the FX
+    graph eagerly: eager's bits instead of stock Inductor's."""
+    from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+
+    from torchsync_pass import backend
+
+    real, raised = backend._codegen_tabulated, []
+
+    def once(*a, **k):
+        if not raised:
+            raised.append(True)
+            raise TensorifyScalarRestartAnalysis
+        return real(*a, **k)
+
+    monkeypatch.setattr(backend, "_codegen_tabulated", once)
+
+    def fn(x, scale):
+        return (x * scale.item()).sum(0)
+
+    x, scale = torch.randn(8, 3, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float64)
+    c = torch.compile(fn, backend="nosync", options=EAGER)
+    assert_bitwise(c(x, scale), fn(x, scale))
+    assert raised and "codegen failed" not in caplog.text

@@ -257,8 +257,10 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         log.debug("nosync: removed the dead cones of hoisted syncs from graph %s", compile_id)
     try:
         compiled = _codegen_tabulated(gm, example_inputs, opts, mode, compile_id)
-    except Exception:
-        if opts.strict:
+    except Exception as e:
+        # NOTE: Dynamo's restart signal is not a failure: swallowed, the graph ran eagerly (eager's
+        # bits, not stock Inductor's, which restarts and specialises)
+        if opts.strict or dynamo_hooks.is_restart_signal(e):
             raise
         log.warning("nosync: %s codegen failed; falling back to the FX graph (eager)",
                     opts.codegen, exc_info=True)

@@ -726,6 +726,15 @@ def unsupported(site: SyncSite, message: str) -> None:
 _PASSTHROUGH: dict[type, type] = {}
 
 
+def is_restart_signal(exc: BaseException) -> bool:
+    """Is ``exc`` Dynamo's signal to trace the frame again (``RestartAnalysis``: Inductor's AOT pass
+    raises ``TensorifyScalarRestartAnalysis`` to have a float specialised), which a backend must
+    let through rather than treat as a codegen failure?"""
+    from torch._dynamo.exc import RestartAnalysis
+
+    return isinstance(exc, RestartAnalysis)
+
+
 def raise_through_dynamo(exc: BaseException) -> "NoReturn":
     """Raise ``exc`` so that it reaches the caller of the compiled function as itself.
 
