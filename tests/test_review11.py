@@ -399,27 +399,29 @@ def test_declared_name_does_not_declare_a_global():
 
 
 class _DataWrite(nn.Module):
-    def __init__(self, view: bool) -> None:
+    def __init__(self, view: str) -> None:
         super().__init__()
         self.view = view
         self.register_buffer("buf", torch.tensor([1.0, 2.0, 3.0]))
 
     def forward(self, x):
         k = self.buf.sum().item()  # hoisted
-        if self.view:
+        if self.view == "slice":
             self.buf.data[:2].add_(1)
+        elif self.view == "unbind":  # through the tuple of a view op that returns several
+            self.buf.data.unbind(0)[1].add_(1)
         else:
             self.buf.data.add_(1)  # writes the buffer without bumping its _version
         return x * k
 
 
-@pytest.mark.parametrize("view", [False, True], ids=["data", "data-view"])
+@pytest.mark.parametrize("view", ["", "slice", "unbind"], ids=["data", "data-view", "data-unbind"])
 def test_write_through_data_in_the_graph_demotes(view):
     """The graph writes a hoisted leaf through ``.data`` after reading it: the leaf's version does
     not move, so every later call was served the value from before the first write."""
     m, ref = _DataWrite(view), _DataWrite(view)
     c = torch.compile(m, backend="nosync", options=EAGER)
-    x = torch.ones(2)
+    x = torch.ones(3)
     for _ in range(3):
         assert_bitwise(c(x), ref(x))
     assert [d for d in torchsync_pass.decisions() if d.reason.name == "HIDDEN_WRITER"]
@@ -533,3 +535,49 @@ def test_dynamo_restart_signal_from_codegen_is_not_a_codegen_failure(monkeypatch
     c = torch.compile(fn, backend="nosync", options=EAGER)
     assert_bitwise(c(x, scale), fn(x, scale))
     assert raised and "codegen failed" not in caplog.text
+
+
+# -- serving.check_request ----------------------------------------------------------------------
+
+@torch.no_grad()
+def _wrapped_other(x, tt):  # compiled through Dynamo's wrap_inline frame, like every partial/module
+    if (tt == 0).any():
+        return x + 1
+    return x - 1
+
+
+def _scaled(x, scale):
+    return x * scale.item()
+
+
+class _Twice(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_check_request_runs_only_the_functions_own_checks():
+    """check_request(g) ran the hoisted checks of another function sharing Dynamo's wrap_inline
+    code (a @torch.no_grad() function compiled in the same process): a false HoistedValueChanged
+    for g, or 'cannot read L['args'][1]' for a module of another arity."""
+    cf = torch.compile(_wrapped_other, backend="nosync", options=EAGER)
+    cg = torch.compile(_scaled, backend="nosync", options=EAGER)
+    cm = torch.compile(_Twice(), backend="nosync", options=EAGER)
+    x = torch.ones(2)
+    for _ in range(2):
+        cf(x, torch.tensor([0, 1]))
+        cg(x, torch.tensor(3.0))
+        cm(x)
+    r = torchsync_pass.check_request(cg, x, torch.tensor(3.0))
+    assert r.ok and r.sites == 1
+    r = torchsync_pass.check_request(cm, x)
+    assert r.ok and r.sites == 0
+    with pytest.raises(torchsync_pass.HoistedValueChanged):  # its own check still runs
+        torchsync_pass.check_request(cf, x, torch.tensor([1, 1]))
+
+
+@pytest.mark.parametrize("what", [42, None, "step"])
+def test_check_request_refuses_what_is_not_a_function(what):
+    """The step forgotten (check_request(x, tt)) returned ok=True with 0 sites: an engine gating
+    requests on report.ok let a changed value through."""
+    with pytest.raises(TypeError, match="must be the compiled function"):
+        torchsync_pass.check_request(what, torch.ones(2))

@@ -537,6 +537,12 @@ def inductor_mode_options(mode: str) -> dict[str, Any]:
     return torch._inductor.list_mode_options(mode)
 
 
+def module_call_code() -> Any:
+    """The code object of ``nn.Module._call_impl`` (what runs a module's hooks and its forward),
+    or None where this torch has no such method."""
+    return getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+
+
 def is_op_overload(t: Any) -> bool:
     """True for an aten op overload (``torch.ops.aten.add.Tensor``)."""
     return isinstance(t, torch._ops.OpOverload)

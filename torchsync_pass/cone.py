@@ -728,13 +728,17 @@ def hidden_writes_to_hoisted(graph: fx.Graph) -> list[tuple[Any, str]]:
 
 
 def _through_data(node: fx.Node) -> bool:
-    """Is ``node`` a ``t.data`` (``_get_data_attr``) or a view of one (same storage, first argument)?"""
+    """Is ``node`` a ``t.data`` (``_get_data_attr``) or a view of one (same storage, first argument;
+    through the tuple of a view op that returns several)?"""
     key = storage_of(node)
     for _ in range(64):
         if _target_name(node) == "_get_data_attr":
             return True
         first = node.args[0] if node.op in ("call_function", "call_method") and node.args else None
-        if not isinstance(first, fx.Node) or key is None or storage_of(first) != key:
+        # NOTE: a view op returning several (unbind, chunk, split) is a tuple between the view and
+        # its input: walked through
+        if not isinstance(first, fx.Node) or key is None or (
+                storage_of(first) != key and not isinstance(_example(first), (tuple, list))):
             return False
         node = first
     return False

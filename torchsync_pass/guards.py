@@ -766,7 +766,7 @@ def _resolved_on_stack(name: str, declared: tuple) -> bool:
 def _is_module_hook(code: Any) -> bool:
     """Is ``code`` called by ``nn.Module._call_impl`` without being its module's ``forward`` (a
     forward pre-hook or hook compiled as a frame of its own)?"""
-    call_impl = getattr(torch.nn.Module._call_impl, "__code__", None)
+    call_impl = _torch_private.module_call_code()
     f = sys._getframe(1)
     while f is not None:
         if f.f_code is call_impl:

@@ -271,14 +271,21 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
     """
     if on_change not in ("raise", "reset", "report"):
         raise ValueError(f"on_change must be 'raise', 'reset' or 'report', got {on_change!r}")
+    if not callable(fn):  # the step forgotten (check_request(x, tt)): never "ok, nothing to check"
+        raise TypeError(f"check_request: the first argument must be the compiled function (or the "
+                        f"function, method or module compiled), got {type(fn).__name__}")
     frames = _frames(fn, args, kwargs)
     report = RequestCheck(frames[0].name)
     seen: set[int] = set()
     for fr in frames:
         # Another function's entries when none of this one's: Dynamo tries every entry of a code
-        # object (a new closure of a factory runs an older closure's entry when its values match)
-        checks = (guards.checks_for(fr.code, dynamo_hooks.closure_identity(fr.code, fr.L, fr.cells))
-                  or guards.checks_for(fr.code))
+        # object (a new closure of a factory runs an older closure's entry when its values match).
+        # NOTE: not for Dynamo's wrap_inline code, which every torch.compile'd partial, module and
+        # @torch.no_grad() function shares: its entries guard the wrapped callable's identity, so
+        # another function's never run for this one
+        checks = guards.checks_for(fr.code, dynamo_hooks.closure_identity(fr.code, fr.L, fr.cells))
+        if not checks and fr.code is not dynamo_hooks.wrap_inline_code():
+            checks = guards.checks_for(fr.code)
         _run_checks([c for c in checks if id(c) not in seen], fr, report)
         seen.update(id(c) for c in checks)
         for code in dynamo_hooks.resume_codes(fr.code):
