@@ -581,3 +581,63 @@ def test_check_request_refuses_what_is_not_a_function(what):
     requests on report.ok let a changed value through."""
     with pytest.raises(TypeError, match="must be the compiled function"):
         torchsync_pass.check_request(what, torch.ones(2))
+
+
+# -- review 11, round 3 -------------------------------------------------------------------------
+
+def test_written_leaf_and_empty_leaf_do_not_fail_their_own_guard():
+    """Every empty storage's pointer is 0: a written leaf and another empty leaf 'shared memory',
+    so the guard failed on the frame it was built for (Dynamo's AssertionError)."""
+    c = torch.compile(_written_then_read, backend="nosync", options=EAGER)
+    assert c(torch.zeros(0), torch.zeros(0)) == _written_then_read(torch.zeros(0), torch.zeros(0))
+
+
+def test_typo_reported_for_a_compiled_function_called_inside_a_module():
+    """A compiled function called from a module's forward was taken for one of the module's hooks
+    (nn.Module._call_impl on the stack): a typo under strict=True passed silently."""
+    opts = {**EAGER, "invariant": ["msak"], "strict": True}
+    ch = torch.compile(lambda x, mask: x * mask.sum().item(), backend="nosync", options=opts)
+
+    class Outer(nn.Module):
+        def forward(self, x, m):
+            return ch(x, m)
+
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match="msak"):
+        Outer()(torch.ones(3), torch.ones(3))
+
+
+def test_select_refuses_an_arm_bound_known_only_at_the_call():
+    """``x.clamp(min=lo)`` on int8 with ``lo`` a Dynamo-dynamic int: selected on the device, a
+    later lo=300 raised the overflow on the arm eager skips."""
+    def step(x, t, lo):
+        return torch.stack([x.clamp(min=lo) if t[i] > 0 else x * 1 for i in range(t.shape[0])])
+
+    f = torch.compile(step, backend="nosync", options=EAGER)
+    x = torch.tensor([1, 2, 3], dtype=torch.int8)
+    calls = [([1, 0, 1], 1), ([0, 1, 0], 2), ([1, 1, 0], 3), ([0, 1, 0], 4), ([1, 0, 0], 5),
+             ([0, 0, 1], 6), ([0, 0, 0], 300)]
+    with torch.no_grad():
+        for t, lo in calls:
+            e, g = _outcome(step, x, torch.tensor(t), lo), _outcome(f, x, torch.tensor(t), lo)
+            assert e[0] == g[0], (t, lo, e, g)
+            if e[0] == "ok":
+                assert_bitwise(g[1], e[1])
+
+
+@pytest.mark.skipif(dynamo_hooks._torch_version() < dynamo_hooks.SELECT_MIN_TORCH,
+                    reason="the device-side select needs torch 2.13+")
+@pytest.mark.parametrize("op", [lambda x: torch.where(x > 2, x, -1e4), lambda x: x * 1e40],
+                         ids=["compare-with-number", "mul-overflows-to-inf"])
+def test_select_keeps_numbers_the_kernel_does_not_check(op):
+    """A comparison's number (result bool) and a product's (overflows to inf) are not converted
+    with an overflow check: refusing them only kept a sync."""
+    x = torch.tensor([1.0, 2.0, 3.0])
+
+    def step(x, t):
+        return torch.stack([op(x) if t[i] > 0 else x * 1 for i in range(t.shape[0])])
+
+    f = torch.compile(step, backend="nosync", options=EAGER)
+    with torch.no_grad():
+        for t in _TESTS:
+            assert_bitwise(f(x, t), step(x, t))
+    assert "BRANCH_WHERE" in {d.reason.name for d in torchsync_pass.decisions()}

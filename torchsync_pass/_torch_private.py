@@ -543,6 +543,19 @@ def module_call_code() -> Any:
     return getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
 
 
+def module_hooks(mod: Any) -> list:
+    """The forward hooks ``nn.Module._call_impl`` runs for ``mod``: its own forward pre-hooks and
+    hooks, and the global ones (``register_module_forward_pre_hook``/``..._hook``)."""
+    from torch.nn.modules import module as _m
+
+    out: list = []
+    for d in (getattr(mod, "_forward_pre_hooks", None), getattr(mod, "_forward_hooks", None),
+              getattr(_m, "_global_forward_pre_hooks", None), getattr(_m, "_global_forward_hooks", None)):
+        if isinstance(d, dict):
+            out += list(d.values())
+    return out
+
+
 def is_op_overload(t: Any) -> bool:
     """True for an aten op overload (``torch.ops.aten.add.Tensor``)."""
     return isinstance(t, torch._ops.OpOverload)

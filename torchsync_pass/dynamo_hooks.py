@@ -690,8 +690,11 @@ def _install_guard(output: Any, name: str, check: Callable[[Any, Any], bool], de
 
 def shares_storage(these: Any, those: Any) -> bool:
     """Does a tensor of ``these`` share its storage with a tensor of ``those`` (others ignored)?"""
-    ptrs = {t.untyped_storage().data_ptr() for t in those if isinstance(t, torch.Tensor)}
-    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs for t in these)
+    # NOTE: storages of no bytes share nothing (every empty storage's pointer is 0)
+    ptrs = {t.untyped_storage().data_ptr() for t in those
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()}
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() in ptrs
+               for t in these)
 
 
 def guard_env() -> dict:

@@ -764,14 +764,16 @@ def _resolved_on_stack(name: str, declared: tuple) -> bool:
 
 
 def _is_module_hook(code: Any) -> bool:
-    """Is ``code`` called by ``nn.Module._call_impl`` without being its module's ``forward`` (a
-    forward pre-hook or hook compiled as a frame of its own)?"""
+    """Is ``code`` a forward (pre-)hook of a module being called (``nn.Module._call_impl`` on the
+    stack runs it), compiled as a frame of its own?"""
     call_impl = _torch_private.module_call_code()
+    key = _code_key(code)
     f = sys._getframe(1)
     while f is not None:
         if f.f_code is call_impl:
-            forward = getattr(type(f.f_locals.get("self")), "forward", None)
-            return _code_key(getattr(forward, "__code__", code)) != _code_key(code)
+            hooks = _torch_private.module_hooks(f.f_locals.get("self"))
+            if any(_code_key(c) == key for c in (getattr(h, "__code__", None) for h in hooks) if c is not None):
+                return True
         f = f.f_back
     return False
 

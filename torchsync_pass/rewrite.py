@@ -242,7 +242,7 @@ class Rewriter:
                 misfit = _scalar_misfit(n, {o.dtype for o in (outs if isinstance(outs, (list, tuple)) else [outs])
                                             if isinstance(o, torch.Tensor)})
                 if misfit is not None:
-                    raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} with the number {misfit[0]!r}, which "
+                    raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} with the number {misfit[0]}, which "
                                   f"{misfit[1]} cannot hold (the kernel's conversion raises where eager skips the arm)")
                 if name in _ANY_DTYPE:
                     continue
@@ -282,15 +282,35 @@ def _fits(v: Any, dtype: torch.dtype) -> bool:
     return (not isinstance(v, float) or math.isfinite(v)) and info.min <= v <= info.max
 
 
+# Ops whose Python numbers the kernel does not convert with an overflow check (a comparison
+# against 300 on int8 is a wrapped-number comparison; ``x * 1e40`` overflows to inf), and those
+# where only ``alpha`` is converted so (``x.add(y, alpha=300)`` on int8 raises; ``x + 300`` wraps).
+_SCALAR_UNCHECKED = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "mul", "truediv", "div", "leaky_relu",
+                               "elu", "gelu", "softplus"})
+_SCALAR_ALPHA_ONLY = frozenset({"add", "sub", "rsub"})
+_WIDE = frozenset({torch.int64, torch.float64, torch.complex128})
+
+
 def _scalar_misfit(n: torch.fx.Node, dtypes: set) -> Optional[tuple[Any, torch.dtype]]:
     """A Python number among an arm op's arguments (one list deep) that a dtype the op makes (the
     one the kernel converts its numbers to) cannot hold, with that dtype; None when every number
     fits. Numbers that are not values (a ``dim``) are checked too: refusing a select keeps the
-    sync, still right."""
-    vals = [*n.args, *n.kwargs.values()]
-    vals += [x for v in vals if isinstance(v, (list, tuple)) for x in v]
+    sync, still right. A number Dynamo made a graph input (a SymInt/SymFloat bound, its value
+    unknown until the call) fits only the widest dtypes."""
+    name = cone._target_name(n).split(".")[0]
+    if name in _SCALAR_UNCHECKED:
+        return None
+    if name in _SCALAR_ALPHA_ONLY:
+        vals = [n.kwargs.get("alpha", n.args[2] if len(n.args) > 2 else None)]
+    else:
+        vals = [*n.args, *n.kwargs.values()]
+        vals += [x for v in vals if isinstance(v, (list, tuple)) for x in v]
     for v in vals:
-        if isinstance(v, (int, float, complex)) and not isinstance(v, bool):
+        if isinstance(v, torch.fx.Node) and isinstance(cone._example(v), (torch.SymInt, torch.SymFloat)):
+            narrow = sorted(dtypes - _WIDE, key=str)
+            if narrow:
+                return f"{v.name} (a number known only at the call)", narrow[0]
+        elif isinstance(v, (int, float, complex)) and not isinstance(v, bool):
             for d in sorted(dtypes, key=str):
                 if not _fits(v, d):
                     return v, d
