@@ -491,13 +491,9 @@ def test_bare_name_against_a_module_argument_is_reported():
         g(_Masked(), torch.ones(2))
 
 
-@pytest.mark.skipif(dynamo_hooks._torch_version() < dynamo_hooks.SELECT_MIN_TORCH,
-                    reason="the device-side select needs torch 2.13+")
-@pytest.mark.parametrize("op", [lambda x: torch.where(x > 1, x, -1e4), lambda x: (x > 1) * 2.5],
-                         ids=["where-scalar", "bool-times-float"])
-def test_select_keeps_arms_whose_numbers_fit_the_result(op):
-    """A number is checked against the dtype the op makes, not a bool condition it reads: these
-    were selected before the overflow check and must stay so."""
+def _assert_selected(op):
+    """A per-position branch ``op(x) if t[i] > 0 else x * 1``: equal to eager, and selected on the
+    device (BRANCH_WHERE)."""
     x = torch.tensor([1.0, 2.0, 3.0])
 
     def step(x, t):
@@ -508,6 +504,16 @@ def test_select_keeps_arms_whose_numbers_fit_the_result(op):
         for t in _TESTS:
             assert_bitwise(f(x, t), step(x, t))
     assert "BRANCH_WHERE" in {d.reason.name for d in torchsync_pass.decisions()}
+
+
+@pytest.mark.skipif(dynamo_hooks._torch_version() < dynamo_hooks.SELECT_MIN_TORCH,
+                    reason="the device-side select needs torch 2.13+")
+@pytest.mark.parametrize("op", [lambda x: torch.where(x > 1, x, -1e4), lambda x: (x > 1) * 2.5],
+                         ids=["where-scalar", "bool-times-float"])
+def test_select_keeps_arms_whose_numbers_fit_the_result(op):
+    """A number is checked against the dtype the op makes, not a bool condition it reads: these
+    were selected before the overflow check and must stay so."""
+    _assert_selected(op)
 
 
 def test_dynamo_restart_signal_from_codegen_is_not_a_codegen_failure(monkeypatch, caplog):
@@ -631,13 +637,4 @@ def test_select_refuses_an_arm_bound_known_only_at_the_call():
 def test_select_keeps_numbers_the_kernel_does_not_check(op):
     """A comparison's number (result bool) and a product's (overflows to inf) are not converted
     with an overflow check: refusing them only kept a sync."""
-    x = torch.tensor([1.0, 2.0, 3.0])
-
-    def step(x, t):
-        return torch.stack([op(x) if t[i] > 0 else x * 1 for i in range(t.shape[0])])
-
-    f = torch.compile(step, backend="nosync", options=EAGER)
-    with torch.no_grad():
-        for t in _TESTS:
-            assert_bitwise(f(x, t), step(x, t))
-    assert "BRANCH_WHERE" in {d.reason.name for d in torchsync_pass.decisions()}
+    _assert_selected(op)
