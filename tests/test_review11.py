@@ -638,3 +638,27 @@ def test_select_keeps_numbers_the_kernel_does_not_check(op):
     """A comparison's number (result bool) and a product's (overflows to inf) are not converted
     with an overflow check: refusing them only kept a sync."""
     _assert_selected(op)
+
+
+def _partial_step(x, tt, scale):
+    return x * scale.item() if (tt == 0).any() else x
+
+
+def test_check_request_sees_a_keyword_that_overrides_the_partials():
+    """A compiled functools.partial hoisted its stored keyword (L['fn'].keywords['scale']); a
+    request passing scale= overrides it, and check_request said ok: an engine skipping Dynamo's
+    guards was served the partial's value."""
+    keep = torchsync_pass.keep_nosync_guards(torch.compiler.skip_all_guards_unsafe)
+    p = functools.partial(_partial_step, scale=torch.tensor(2.0))
+    c = torch.compile(p, backend="nosync", options={**EAGER, "guard_filter_fn": keep})
+    x, tt = torch.ones(2), torch.tensor([0])
+    c(x, tt)
+    c(x, tt)
+    r = torchsync_pass.check_request(c, x, tt, scale=torch.tensor(5.0), on_change="report")
+    assert not r.ok and r.changed and "overrides" in r.changed[0].why
+    assert torchsync_pass.check_request(c, x, tt, on_change="report").ok  # without the keyword: fine
+
+
+def test_keep_nosync_guards_refuses_what_is_not_a_filter():
+    with pytest.raises(TypeError, match="guard_filter_fn must be a function"):
+        torchsync_pass.keep_nosync_guards(None)

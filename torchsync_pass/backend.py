@@ -309,6 +309,9 @@ def keep_nosync_guards(guard_filter_fn: Callable[[list], list]) -> Callable[[lis
     ``torch.compile(f, backend="nosync", options={"guard_filter_fn":
     torchsync_pass.keep_nosync_guards(torch.compiler.skip_all_guards_unsafe)})``
     """
+    if not callable(guard_filter_fn):
+        raise TypeError(f"keep_nosync_guards: guard_filter_fn must be a function of the guard entries "
+                        f"(e.g. torch.compiler.skip_all_guards_unsafe), got {type(guard_filter_fn).__name__}")
 
     def keep(entries: list) -> list:
         return [bool(k) or dynamo_hooks.is_nosync_guard(e) for k, e in zip(guard_filter_fn(entries), entries)]

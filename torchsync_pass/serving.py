@@ -29,7 +29,7 @@ import logging
 import re
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -358,6 +358,14 @@ def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
                                              "inside the engine's torch.inference_mode())"))
             continue
         specs = {c.spec.key: c.spec for c in live}
+        shadowed = _shadowed_keyword(chk.sources, fr)
+        if shadowed is not None:  # the call reads the request's keyword, the compiled code read this
+            report.changed.append(Change(
+                chk.state.site, chk.state.source, None, tuple(s.value for s in specs.values()),
+                why=f"not computed: the request passes {shadowed[0]}=, which overrides the compiled "
+                    f"partial's keyword the value was hoisted from ({shadowed[1]}): Dynamo's guard on "
+                    "the call's keywords, which the engine skips, would recompile"))
+            continue
         try:
             leaves = chk.getter(fr.L, fr.G)
         except Exception as e:
@@ -382,6 +390,22 @@ def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
                                          tuple(s.value for s in specs.values())))
     if len(report.changed) == changes:
         _check_one_entry_serves(checks, current, fr, report)
+
+
+_PARTIAL_KEYWORD = re.compile(r"L\['fn'\]\.keywords\['([^']+)'\]")
+
+
+def _shadowed_keyword(sources: list, fr: _Frame) -> Optional[tuple[str, str]]:
+    """(keyword, source) when a leaf is a compiled ``functools.partial``'s keyword that this
+    request's keyword arguments override (the call reads theirs)."""
+    kwargs = fr.L.get("kwargs") if isinstance(fr.L, dict) else None
+    if not isinstance(kwargs, dict) or not isinstance(fr.L.get("fn"), functools.partial):
+        return None
+    for src in sources:
+        m = _PARTIAL_KEYWORD.search(src)
+        if m is not None and m.group(1) in kwargs:
+            return m.group(1), src
+    return None
 
 
 def _check_one_entry_serves(checks: list, current: dict, fr: _Frame, report: RequestCheck) -> None:
