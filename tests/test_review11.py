@@ -662,3 +662,24 @@ def test_check_request_sees_a_keyword_that_overrides_the_partials():
 def test_keep_nosync_guards_refuses_what_is_not_a_filter():
     with pytest.raises(TypeError, match="guard_filter_fn must be a function"):
         torchsync_pass.keep_nosync_guards(None)
+
+
+def _break_then_masked_select(x):
+    n = int(x.argmax())  # a graph break
+    m = torch.masked_select(x, x > 1)  # a sync only the profiler sees, in Dynamo's resume function
+    return m.sum() + n
+
+
+def test_profiler_only_sync_after_a_break_is_booked_to_its_line():
+    """A sync only the profiler sees, made in a resume function, was booked to the graph break's
+    line (the resume function starts there) instead of the op's."""
+    import inspect
+
+    line = inspect.getsourcelines(_break_then_masked_select)[1] + 2
+    fn = torch.compile(_break_then_masked_select, backend="nosync", options=EAGER)
+    for i in range(4):
+        fn(torch.rand(4) + i)
+    with torchsync_pass.count_syncs() as c:
+        fn(torch.rand(4) + 5)
+    sites = [s for s in c.sorted_sites() if "masked_select" in s.kind]
+    assert [s.site.line for s in sites] == [line] and sites[0].line_exact

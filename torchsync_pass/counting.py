@@ -737,8 +737,18 @@ def _guess_line(
         if 0 < first <= len(lines):
             head = lines[first - 1]
             indent = len(head) - len(head.lstrip())
+            start = first
+            if dynamo_hooks.RESUME_RE.match(fname.rsplit(".", 1)[-1]):
+                # Dynamo's resume function starts at the graph break's line, a statement inside the
+                # original function: scan from that line to the end of the enclosing ``def``
+                start = first - 1
+                for j in range(first - 2, -1, -1):
+                    text = lines[j]
+                    if text.lstrip().startswith(("def ", "async def ")) and len(text) - len(text.lstrip()) < indent:
+                        indent = len(text) - len(text.lstrip())
+                        break
             hits = []
-            for i in range(first, len(lines)):
+            for i in range(start, len(lines)):
                 text = lines[i]
                 if text.strip() and (len(text) - len(text.lstrip())) <= indent:
                     break
