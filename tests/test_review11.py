@@ -683,4 +683,9 @@ def test_profiler_only_sync_after_a_break_is_booked_to_its_line():
     with torchsync_pass.count_syncs() as c:
         fn(torch.rand(4) + 5)
     sites = [s for s in c.sorted_sites() if "masked_select" in s.kind]
+    if not sites:
+        with torchsync_pass.count_syncs() as e:
+            _break_then_masked_select(torch.rand(4) + 5)
+        if not [s for s in e.sorted_sites() if "masked_select" in s.kind]:
+            pytest.skip("this torch's masked_select makes no read count_syncs sees on the CPU, eager neither")
     assert [s.site.line for s in sites] == [line] and sites[0].line_exact
