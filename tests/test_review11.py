@@ -102,7 +102,8 @@ def _outcome(f, *a):
     (torch.float16, lambda x: x.clamp(min=-1e9), False),  # nor -1e9 float16
     (torch.int8, lambda x: torch.where(x > 1, x, 300), False),
     (torch.float32, lambda x: x.clamp(min=-1e9), True),  # fits: still selected on the device
-], ids=["int8-clamp", "float16-clamp", "int8-where", "float32-clamp"])
+    (torch.float32, lambda x: torch.nn.functional.leaky_relu(x, 1e40), False),  # the slope is checked
+], ids=["int8-clamp", "float16-clamp", "int8-where", "float32-clamp", "float32-leaky-slope"])
 def test_select_refuses_arm_with_number_that_overflows(dtype, op, selects):
     """A branch selected on the device runs the arm eager skips; a number the kernel converts to
     the tensor's dtype with an overflow check (a clamp bound, where's scalar) raised there,

@@ -283,10 +283,10 @@ def _fits(v: Any, dtype: torch.dtype) -> bool:
 
 
 # Ops whose Python numbers the kernel does not convert with an overflow check (a comparison
-# against 300 on int8 is a wrapped-number comparison; ``x * 1e40`` overflows to inf), and those
+# against 300 on int8 is a wrapped-number comparison; ``x * 1e40`` overflows to inf; the
+# activations' slopes are checked: ``leaky_relu(x, 1e40)`` raises on float32), and those
 # where only ``alpha`` is converted so (``x.add(y, alpha=300)`` on int8 raises; ``x + 300`` wraps).
-_SCALAR_UNCHECKED = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "mul", "truediv", "div", "leaky_relu",
-                               "elu", "gelu", "softplus"})
+_SCALAR_UNCHECKED = frozenset({"lt", "le", "gt", "ge", "eq", "ne", "mul", "truediv", "div", "gelu"})
 _SCALAR_ALPHA_ONLY = frozenset({"add", "sub", "rsub"})
 _WIDE = frozenset({torch.int64, torch.float64, torch.complex128})
 
