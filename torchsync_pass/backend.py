@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import _torch_private, cone, dynamo_hooks, guards, inop, rewrite
+from . import _torch_private, cone, dynamo_hooks, guards, inop, names, rewrite
 from .invariant import cache_invariant, with_guard_token
 from .errors import NosyncError, NosyncOptionsError
 from .report import DECISIONS, Action, Reason
@@ -240,7 +240,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     if dynamo_hooks.backend_hidden():
         _hidden_backend(opts)
     # NOTE: also here, not only at sync sites: invariant caching reads the declared names too
-    guards.check_declared_names(*dynamo_hooks.current_frame(), opts)
+    names.check_declared_names(*dynamo_hooks.current_frame(), opts)
     compile_id = dynamo_hooks.current_compile_id()
     rewrite.check_graph(gm, compile_id)  # may retrace the frame (a rewritten row that aliases)
     if opts.cudagraphs:

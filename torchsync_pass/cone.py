@@ -48,7 +48,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from torch import fx
 
-from . import _torch_private, dynamo_hooks, symbolic
+from . import _torch_private, names, symbolic
 from .report import Reason, SiteKey
 
 log = logging.getLogger(__name__)
@@ -113,40 +113,6 @@ def dotted_name(source: str) -> str:
     s = re.sub(r"\['([^']+)'\]", r".\1", s)
     s = re.sub(r"\[(\d+)\]", r".\1", s)
     return s
-
-
-def pass_through(code: Any) -> bool:
-    """Is ``code`` a decorator's pass-through wrapper: ``wrapper(*args, **kwargs)`` or
-    ``wrapper(self, *args, **kwargs)`` (as diffusers wraps its models' forward), no other argument?"""
-    flags = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
-    named = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-    return code.co_flags & flags == flags and set(named) <= {"self"}
-
-
-def _varkw_prefix() -> Optional[str]:
-    """``"kwargs."`` when the frame Dynamo compiles is a pass-through wrapper (:func:`pass_through`),
-    else None: its keyword arguments are those of the function it calls."""
-    code = dynamo_hooks.current_frame()[0]
-    if code is None or not pass_through(code):
-        return None
-    return code.co_varnames[code.co_argcount + code.co_kwonlyargcount + 1] + "."
-
-
-def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
-    """Is the leaf of user name ``name`` (``self.attn.mask``) and guard source ``source`` among the
-    declared names? ``mask`` declares ``self.mask`` (and an argument ``mask``); ``self.mask`` only
-    the module's; a global (``G[...]``) is never declared (names are arguments and their
-    attributes). Through a pass-through wrapper's ``**kwargs`` (``kwargs.ids``) the keyword's own
-    name (``ids``) declares it."""
-    if source.startswith("G["):
-        return False
-    prefix = _varkw_prefix() if "." in name else None
-    if prefix is not None and name.startswith(prefix) and name[len(prefix):] in declared:
-        return True
-    for d in declared:
-        if name == d or (not d.startswith("self.") and name == "self." + d):
-            return True
-    return False
 
 
 def _target_name(node: fx.Node) -> str:
@@ -629,7 +595,7 @@ def analyze_cone(
                     if leaf.role == "wrapped" else f"a {type(leaf.example).__name__}")
             return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is {what}")
         name = dotted_name(leaf.source)
-        decl = is_declared(name, declared, leaf.source)
+        decl = names.is_declared(name, declared, leaf.source)
         if leaf.example.is_inference() and not decl:
             return ConeResult(False, Reason.INFERENCE_TENSOR, f"{name} is an inference tensor")
         if leaf.example.requires_grad and not decl:
@@ -686,16 +652,6 @@ def written_storages(graph: fx.Graph) -> set[int]:
             if key is not None:
                 written.add(key)
     return written
-
-
-def hoisted_leaf_storages(graph: fx.Graph) -> set[int]:
-    """The storages of the placeholders that are leaves of a hoisted sync (:func:`mark_hoisted`)."""
-    out: set[int] = set()
-    for n in graph.find_nodes(op="placeholder"):
-        key = storage_of(n) if n.meta.get(HOISTED_LEAF_META) else None
-        if key is not None:
-            out.add(key)
-    return out
 
 
 def hidden_writes_to_hoisted(graph: fx.Graph) -> list[tuple[Any, str]]:

@@ -27,14 +27,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import inspect
 import itertools
 import json
 import logging
 import operator
-import os
 import struct
-import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -42,10 +39,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import _torch_private, dynamo_hooks
-from .cone import (HOISTED_LEAF_META, ConeResult, analyze_cone, cone_of, pass_through, storage_of,
-                   hidden_writes_to_hoisted, hoisted_leaf_storages, mark_hoisted, state_region_of, written_storages)
-from .errors import NosyncOptionsError
+from . import _torch_private, dynamo_hooks, names
+from .cone import (HOISTED_LEAF_META, ConeResult, analyze_cone, cone_of, storage_of,
+                   hidden_writes_to_hoisted, mark_hoisted, state_region_of, written_storages)
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
 
 log = logging.getLogger(__name__)
@@ -332,7 +328,6 @@ class ConeMemo:
                             self._to_front(e)
                         return e
             return None
-        n = len(leaves)
         fps = None
         for i, e in enumerate(entries):
             same = True
@@ -525,9 +520,8 @@ def reset(keep_decisions: bool = False) -> None:
         _recorded.clear()
         _budget_frames.clear()
         _recompiles_seen.clear()
-        _warned_names.clear()
-        _resolved_names.clear()
     dynamo_hooks.reset()
+    names.reset()
     if not keep_decisions:
         DECISIONS.clear()
 
@@ -611,7 +605,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         _record(state, Action.REJECTED, Reason.DISABLED, state.demoted.value, compile_id=compile_id)
         return False, f"demoted earlier: {state.demoted.value}"
 
-    _check_declared_names(site, opts)
+    names.check_declared_names(site.frame_code, site.frame_locals, opts)
     # a subclass's int()/bool()/...: its own conversion; a read Dynamo made of one for something
     # else (a slice bound ``x[:t]``, which eager converts with the class's __index__)
     name = dynamo_hooks.subclass_name(site.tensor_class)
@@ -679,135 +673,6 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
             "speculated invariant" if result.speculative else "", value,
             tuple(l.name for l in result.leaves), compile_id=compile_id)
     return True, value
-
-
-_warned_names: set = set()
-# (function, options['invariant']) -> its names that resolved in a frame of that function
-_resolved_names: dict[tuple, set] = {}
-
-
-def _check_declared_names(site: dynamo_hooks.SyncSite, opts: Any) -> None:
-    root = dynamo_hooks.current_frame()
-    if root[0] is not None and root[0] is not site.frame_code:  # the site is in an inlined call:
-        check_declared_names(*root, opts, report=False)  # a name of the frame compiled is fine too
-    check_declared_names(site.frame_code, site.frame_locals, opts)
-
-
-def check_declared_names(code: Any, frame_locals: Any, opts: Any, report: bool = True) -> None:
-    """Warn once per name when ``options['invariant']`` names nothing the compiled function can
-    reach: no such argument, or a dotted path whose attribute does not exist, or a path to
-    something that is not a tensor (a typo would otherwise just leave the site speculated or
-    rejected, or nothing cached). With ``strict``, raise instead (at every compile that meets it).
-    Asked at each sync site and, for invariant caching, for each compiled graph.
-
-    Dynamo compiles frames other than the function given to ``torch.compile``, where the names do
-    not belong and are not reported: torch's own wrappers (``@torch.no_grad()``), a decorator's
-    pass-through ``wrapper(*args, **kwargs)`` (the names are those of the function it calls,
-    inlined), a module's hook (called by ``nn.Module._call_impl``, not its ``forward``), a callee
-    compiled as a frame of its own after a graph break (a name that resolved in a caller on the
-    stack). ``report=False``: only note the names that resolve.
-    """
-    if not opts.invariant or code is None or dynamo_hooks.RESUME_RE.match(code.co_name):
-        return
-    if _in_torch(code.co_filename):
-        return
-    nargs = code.co_argcount + code.co_kwonlyargcount
-    nargs += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
-    args = code.co_varnames[:nargs]
-    declared = tuple(map(str, opts.invariant))
-    resolved = _resolved_names.setdefault((_code_key(code), declared), set())
-    failed = []
-    for name in opts.invariant:
-        problem = _declared_name_problem(name, args, frame_locals)
-        if problem is not None and pass_through(code):  # a keyword passed on
-            problem = _declared_name_problem(f"{args[-1]}.{name}", args, frame_locals) and problem
-        if problem is None:
-            resolved.add(name)
-        else:
-            failed.append((name, problem))
-    if not report or not failed or pass_through(code) or _is_module_hook(code):
-        return
-    for name, problem in failed:
-        if _resolved_on_stack(name, declared):
-            continue
-        message = (f"nosync: options['invariant'] names {name!r}, but {problem} "
-                   f"({code.co_name} takes: {', '.join(args) or 'no arguments'})")
-        if opts.strict:
-            raise NosyncOptionsError(message + "; options['strict'] is True")
-        key = (code, name)
-        if key not in _warned_names:  # warned once per compiled function and name
-            _warned_names.add(key)
-            log.warning("%s", message)
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-
-
-def _in_torch(filename: str) -> bool:
-    return filename.startswith(_TORCH_DIR)
-
-
-def _code_key(code: Any) -> tuple:
-    """The same for a function's code and the code Dynamo runs for it (a transformed copy)."""
-    return (code.co_filename, code.co_firstlineno, code.co_name)
-
-
-def _resolved_on_stack(name: str, declared: tuple) -> bool:
-    """Did ``name`` resolve in a frame that is running now (a caller of the frame compiled)?"""
-    f = sys._getframe(1)
-    while f is not None:
-        got = _resolved_names.get((_code_key(f.f_code), declared))
-        if got is not None and name in got:
-            return True
-        f = f.f_back
-    return False
-
-
-def _is_module_hook(code: Any) -> bool:
-    """Is ``code`` a forward (pre-)hook of a module being called (``nn.Module._call_impl`` on the
-    stack runs it), compiled as a frame of its own?"""
-    call_impl = _torch_private.module_call_code()
-    key = _code_key(code)
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code is call_impl:
-            hooks = _torch_private.module_hooks(f.f_locals.get("self"))
-            if any(_code_key(c) == key for c in (getattr(h, "__code__", None) for h in hooks) if c is not None):
-                return True
-        f = f.f_back
-    return False
-
-
-def _declared_name_problem(name: str, args: tuple, scope: Any) -> Optional[str]:
-    """Why ``name`` (``"token_types"``, ``"self.attn.mask"``, ``"mask"`` for ``self.mask``) does
-    not resolve in the frame, or None when it does (or cannot be checked)."""
-    parts = name.split(".")
-    if parts[0] in args:
-        path = parts
-    elif "self" in args:
-        path = ["self"] + parts  # "mask" may mean self.mask
-    else:
-        return f"there is no argument {parts[0]!r}"
-    if not isinstance(scope, dict) or path[0] not in scope:
-        return None
-    obj = scope[path[0]]
-    for i, part in enumerate(path[1:], 1):
-        try:
-            if isinstance(obj, dict):
-                obj = obj[part]
-            elif isinstance(obj, (list, tuple)) and part.isdigit():
-                obj = obj[int(part)]
-            else:
-                obj = getattr(obj, part)
-        except (AttributeError, KeyError, IndexError, TypeError):
-            what = f"{'.'.join(path[:i])} ({type(obj).__name__}) has no attribute {part!r}"
-            return what if path is parts else f"there is no argument {parts[0]!r} and {what}"
-    if not isinstance(obj, torch.Tensor):  # a declaration names one tensor: a module declares nothing
-        tensors = [n for n, _ in itertools.chain(obj.named_parameters(), obj.named_buffers())][:3] \
-            if isinstance(obj, torch.nn.Module) else []
-        hint = f" (declare its tensors: {', '.join(repr(name + '.' + t) for t in tensors)})" if tensors else ""
-        return f"{'.'.join(path)} is a {type(obj).__name__}, not a tensor{hint}"
-    return None
 
 
 _recompiles_seen: set = set()

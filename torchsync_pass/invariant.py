@@ -79,7 +79,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
-from . import _torch_private, cone, dynamo_hooks, rewrite, symbolic
+from . import _torch_private, cone, dynamo_hooks, names, rewrite, symbolic
 from .guards import (MEMO_SIZE, ConeMemo, bits_state, counters, fast_key, precision_reader, record_decision,
                      same_call_expr)
 from .report import Action, Decision, Reason
@@ -116,7 +116,7 @@ def _invariant_leaf(n: fx.Node, declared: tuple[str, ...]) -> Optional[str]:
     if leaf is None or not isinstance(leaf.example, torch.Tensor):
         return None
     name = cone.dotted_name(leaf.source)
-    decl = cone.is_declared(name, declared, leaf.source)
+    decl = names.is_declared(name, declared, leaf.source)
     # (also: the tensors of a list table that a rewritten read stacks, rewrite.py)
     if leaf.role not in ("parameter", "buffer") and not decl and not guarded(n) and not rewrite.is_table_leaf(n):
         return None
