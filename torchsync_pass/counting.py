@@ -738,13 +738,16 @@ def _guess_line(
             head = lines[first - 1]
             indent = len(head) - len(head.lstrip())
             start = first
-            if dynamo_hooks.RESUME_RE.match(fname.rsplit(".", 1)[-1]):
+            resume = dynamo_hooks.RESUME_RE.match(fname.rsplit(".", 1)[-1])
+            if resume:
                 # Dynamo's resume function starts at the graph break's line, a statement inside the
-                # original function: scan from that line to the end of the enclosing ``def``
+                # original function (named in the resume function's name): scan from that line to
+                # the end of that ``def``, not of a nested one above the break
                 start = first - 1
+                own = re.compile(rf"\s*(?:async\s+)?def\s+{re.escape(resume.group(1))}\s*\(")
                 for j in range(first - 2, -1, -1):
                     text = lines[j]
-                    if text.lstrip().startswith(("def ", "async def ")) and len(text) - len(text.lstrip()) < indent:
+                    if own.match(text) and len(text) - len(text.lstrip()) < indent:
                         indent = len(text) - len(text.lstrip())
                         break
             hits = []
