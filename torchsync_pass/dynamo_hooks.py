@@ -689,12 +689,22 @@ def _install_guard(output: Any, name: str, check: Callable[[Any, Any], bool], de
 
 
 def shares_storage(these: Any, those: Any) -> bool:
-    """Does a tensor of ``these`` share its storage with a tensor of ``those`` (others ignored)?"""
+    """Does a tensor of ``these`` share its storage with a tensor of ``those`` (others ignored)? A
+    wrapper subclass (``TwoTensor``, whose own storage cannot be read) by the tensors it holds."""
     # NOTE: storages of no bytes share nothing (every empty storage's pointer is 0)
-    ptrs = {t.untyped_storage().data_ptr() for t in those
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes()}
-    return any(isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() in ptrs
-               for t in these)
+    ptrs = {p for t in those for p in _storage_ptrs(t)}
+    return any(p in ptrs for t in these for p in _storage_ptrs(t))
+
+
+def _storage_ptrs(t: Any, depth: int = 0) -> list[int]:
+    if not isinstance(t, torch.Tensor):
+        return []
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t) and depth < 8:
+        return [p for a in t.__tensor_flatten__()[0] for p in _storage_ptrs(getattr(t, a), depth + 1)]
+    s = t.untyped_storage()
+    return [s.data_ptr()] if s.nbytes() else []
 
 
 def guard_env() -> dict:
@@ -768,6 +778,16 @@ def current_frame() -> tuple[Any, Any]:
     except Exception:  # not inside a trace (a backend called directly)
         return None, None
     return getattr(root, "f_code", None), getattr(root, "f_locals", None)
+
+
+def current_frame_globals() -> Any:
+    """The globals of the frame Dynamo is compiling, or None outside a trace."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx().output.root_tx.f_globals
+    except Exception:  # not inside a trace (a backend called directly)
+        return None
 
 
 def current_compile_id() -> Optional[str]:

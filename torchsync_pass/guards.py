@@ -782,6 +782,14 @@ def guard_written_inputs(graph: Any, compile_id: Optional[str]) -> None:
     if pairs:
         holder.pairs = tuple(pairs)
         holder.getter = dynamo_hooks.leaf_getter(sources)
+        # the trace's own inputs may alias in a way the trace did not see (a tensor subclass's
+        # inner tensor): the guard would fail on the call it was made for; keep the syncs instead
+        L, G = dynamo_hooks.current_frame()[1], dynamo_hooks.current_frame_globals()
+        if L is not None and G is not None and holder.alias(L, G):
+            what = "an argument the graph writes in place shares memory with a hoisted leaf on this call"
+            _demote_graph_sites(graph, what, compile_id)
+            holder.pairs, holder.getter = (), None
+            dynamo_hooks.restart_analysis(f"nosync: {what}; keeping the sync")
 
 
 def _demote_graph_sites(graph: Any, what: str, compile_id: Optional[str]) -> None:
