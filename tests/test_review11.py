@@ -672,21 +672,29 @@ def _break_then_masked_select(x):
     return m.sum() + n
 
 
+def masked_select_lines(fn) -> list:
+    """``(kind, line)`` of the masked_select syncs count_syncs books on a warm call of ``fn``
+    compiled by nosync (skips where eager shows none either)."""
+    compiled = torch.compile(fn, backend="nosync", options=EAGER)
+    x = torch.tensor([0.5, 1.5, 2.5, 9.0])  # the same argmax every call: no recompile when counted
+    for i in range(4):
+        compiled(x + i)
+    with torchsync_pass.count_syncs() as c:
+        compiled(x + 5)
+    sites = [s for s in c.sorted_sites() if "masked_select" in s.kind]
+    if not sites:
+        with torchsync_pass.count_syncs() as e:
+            fn(x + 5)
+        if not [s for s in e.sorted_sites() if "masked_select" in s.kind]:
+            pytest.skip("this torch's masked_select makes no read count_syncs sees on the CPU, eager neither")
+    assert all(s.line_exact for s in sites), sites
+    return [(s.kind, s.site.line) for s in sites]
+
+
 def test_profiler_only_sync_after_a_break_is_booked_to_its_line():
     """A sync only the profiler sees, made in a resume function, was booked to the graph break's
     line (the resume function starts there) instead of the op's."""
     import inspect
 
     line = inspect.getsourcelines(_break_then_masked_select)[1] + 2
-    fn = torch.compile(_break_then_masked_select, backend="nosync", options=EAGER)
-    for i in range(4):
-        fn(torch.rand(4) + i)
-    with torchsync_pass.count_syncs() as c:
-        fn(torch.rand(4) + 5)
-    sites = [s for s in c.sorted_sites() if "masked_select" in s.kind]
-    if not sites:
-        with torchsync_pass.count_syncs() as e:
-            _break_then_masked_select(torch.rand(4) + 5)
-        if not [s for s in e.sorted_sites() if "masked_select" in s.kind]:
-            pytest.skip("this torch's masked_select makes no read count_syncs sees on the CPU, eager neither")
-    assert [s.site.line for s in sites] == [line] and sites[0].line_exact
+    assert masked_select_lines(_break_then_masked_select) == [("masked_select", line)]

@@ -1,0 +1,182 @@
+"""Review 12 (2026-12-03): the findings review 11 left open, each test failing on the commit
+before its fix."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import torchsync_pass
+from test_core import assert_bitwise
+from test_review11 import _Masked, _wraps, masked_select_lines
+
+EAGER = {"codegen": "eager"}
+
+
+def _compile(fn, invariant):
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    return torch.compile(fn, backend="nosync", options={**EAGER, "invariant": invariant, "strict": True})
+
+
+def _hoisted() -> bool:
+    return any(d.action.value == "hoisted" for d in torchsync_pass.decisions())
+
+
+def _scale_hook(mod, args, scale=2.0):
+    return (args[0] * scale,)
+
+
+class _ScaleHook:
+    def __call__(self, mod, args):
+        return (args[0] * 2.0,)
+
+
+@pytest.mark.parametrize("hook", [functools.partial(_scale_hook, scale=3.0), _ScaleHook()],
+                         ids=["partial", "callable_object"])
+def test_strict_accepts_a_module_name_beside_a_hook_that_is_not_a_function(hook):
+    """A forward pre-hook given as a functools.partial or a callable object, compiled as a frame of
+    its own, was not recognised as a hook: strict=True refused the module's valid 'self.mask'."""
+    m = _Masked()
+    m.register_forward_pre_hook(hook)
+    ref = _Masked()
+    ref.register_forward_pre_hook(hook)
+    g = _compile(m, ["self.mask"])
+    x = torch.ones(2, 3)
+    for _ in range(2):
+        assert_bitwise(g(x), ref(x))
+    assert _hoisted()
+
+
+class _WrappedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tensor([1.0, 2.0]))
+
+    @_wraps
+    def forward(self, x):
+        return x * self.mask.exp()  # invariant work only: no sync site
+
+
+def test_typo_reported_through_a_pass_through_wrapper():
+    """In a forward wrapped by a decorator's ``wrapper(*args, **kwargs)`` a misspelt name passed
+    silently under strict=True (the wrapper's frame was never checked)."""
+    g = _compile(_WrappedForward(), ["self.msak"])
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match=r"msak.*forward takes: self, x"):
+        g(torch.ones(2))
+
+
+@torch.no_grad()
+def _no_grad_step(x, tt):
+    return x * tt.exp()
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_typo_reported_under_no_grad_and_partial(partial):
+    """Under @torch.no_grad() (and through a functools.partial of such a function) a misspelt name
+    passed silently under strict=True: the frame compiled is torch's wrapper."""
+    fn = functools.partial(_no_grad_step, torch.ones(2)) if partial else _no_grad_step
+    args = (torch.ones(2),) if partial else (torch.ones(2), torch.ones(2))
+    g = _compile(fn, ["ttt"])
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match=r"'ttt'.*_no_grad_step takes: x, tt"):
+        g(*args)
+    assert_bitwise(_compile(fn, ["tt"])(*args), fn(*args))
+
+
+class _Ids(nn.Module):
+    def forward(self, x, ids):
+        if (ids > 0).any():
+            return x + 1
+        return x
+
+
+def _accelerate_style(module):
+    """Wrap ``module.forward`` as accelerate's ``add_hook_to_module`` does."""
+    old = module.forward
+
+    def new_forward(module, *args, **kwargs):
+        return module._old_forward(*args, **kwargs)
+
+    module._old_forward = old
+    module.forward = functools.update_wrapper(functools.partial(new_forward, module), old)
+    return module
+
+
+def test_keyword_through_an_accelerate_style_forward():
+    """A forward replaced by ``partial(new_forward, module)`` (accelerate's hooks): the keyword
+    'ids' was refused under strict=True and, without strict, not declared."""
+    with torch.inference_mode():
+        ids = torch.ones(3)  # an inference tensor: hoisted only when declared
+    x = torch.randn(3)
+    g = _compile(_accelerate_style(_Ids()), ["ids"])
+    for _ in range(2):
+        assert_bitwise(g(x=x, ids=ids), _Ids()(x=x, ids=ids))
+    assert _hoisted()
+
+
+def _helper(y, t):
+    if (t == 2).any():
+        y = y + 1
+    return y
+
+
+def _loop_calls_helper(x, tt):
+    for _ in range(2):
+        print("step", end="\r")  # a graph break in a loop: Dynamo compiles only _helper
+        x = _helper(x, tt)
+    return x
+
+
+def test_strict_accepts_a_name_of_a_caller_that_was_not_compiled():
+    """When Dynamo skips the caller (a graph break inside its loop) and compiles only the callee,
+    a name of the caller's was refused under strict=True."""
+    x, tt = torch.ones(2), torch.tensor([2, 0])
+    g = _compile(_loop_calls_helper, ["tt"])
+    for _ in range(2):
+        assert_bitwise(g(x, tt), _loop_calls_helper(x, tt))
+
+
+def _nested_def_then_break(x):
+    def helper(y):
+        return y + 1
+    if x.sum() > -100:
+        n = int(x.argmax())  # a graph break inside the if
+        x = helper(x) + n
+    m = torch.masked_select(x, x > 1)  # a sync only the profiler sees, in the resume function
+    return m.sum()
+
+
+def test_profiler_only_sync_after_a_nested_def_is_booked_to_its_line():
+    """The resume function's line search stopped at a nested def above the graph break and missed
+    the op after the if block: masked_select was booked to the break's line."""
+    line = inspect.getsourcelines(_nested_def_then_break)[1] + 6
+    assert masked_select_lines(_nested_def_then_break) == [("masked_select", line)]
+
+
+def _write_subclass_then_read(x, m, w):
+    w.add_(1)
+    if m.sum() > 2:
+        x = x + 1
+    return x + w
+
+
+@pytest.mark.parametrize("aliased", [False, True])
+def test_written_wrapper_subclass_beside_a_hoisted_leaf(aliased):
+    """A written tensor subclass (TwoTensor) beside a hoisted leaf made Dynamo raise 'Guard failed
+    on the same frame': its storage could not be read, and an inner tensor that is the leaf is an
+    alias the trace does not see."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    fn = torch.compile(_write_subclass_then_read, backend="nosync", options=EAGER)
+    for _ in range(3):
+        outs = []
+        for _ in range(2):
+            m = torch.ones(3)
+            w = two_tensor.TwoTensor(m if aliased else torch.zeros(3), torch.zeros(3))
+            outs.append((torch.ones(3), m, w))
+        got, want = fn(*outs[0]), _write_subclass_then_read(*outs[1])
+        assert torch.equal(got.a, want.a) and torch.equal(got.b, want.b)
+        assert torch.equal(outs[0][1], outs[1][1])
