@@ -177,12 +177,13 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
 
 
 def _resolves_on_stack(name: str) -> bool:
-    """Does ``name`` resolve in a user frame running now (a caller of the frame compiled)?"""
+    """Does ``name`` resolve in a user frame running now (a caller of the frame compiled)?
+    (``f_locals`` is a proxy, not a dict, from Python 3.13.)"""
     f = sys._getframe(1)
     while f is not None:
         file = f.f_code.co_filename
         if not (_in_torch(file) or file.startswith(_OWN_DIR)) and \
-                _declared_name_problem(name, _arg_names(f.f_code), f.f_locals, fallback=False) is None:
+                _declared_name_problem(name, _arg_names(f.f_code), dict(f.f_locals), fallback=False) is None:
             return True
         f = f.f_back
     return False
