@@ -711,9 +711,8 @@ class WrittenInputs:
         # (position of a written input, positions of the leaves to compare it with) in getter's tuple
         self.pairs: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
-    def alias(self, L: Any, G: Any, leaves: tuple = ()) -> bool:
-        """Does one of these inputs share memory (its storage) with one of its leaves on this call?
-        (``leaves``, the calling check's, are among the graph's hoisted leaves the getter reads.)"""
+    def alias(self, L: Any, G: Any) -> bool:
+        """Does one of these inputs share memory (its storage) with one of its leaves on this call?"""
         if self.getter is None:
             return False
         try:
@@ -843,7 +842,7 @@ class SiteCheck:
         except Exception:
             log.debug("nosync guard for %s: a leaf no longer resolves", self.state.site, exc_info=True)
             return self._fail("a leaf no longer resolves")
-        if self.written.alias(L, G, leaves):
+        if self.written.alias(L, G):
             return self._fail_aliased()
         return self.check_leaves(leaves)
 
@@ -1018,7 +1017,7 @@ class SiteCheck:
             f"        {leaves} = ({', '.join(sources)}{',' if len(sources) == 1 else ''})",
             "    except Exception:",
             f"        return {p}resolve_failed() or {p}failed()",
-            f"    if {p}written.getter is not None and {p}written.alias(L, G, {leaves}):",
+            f"    if {p}written.getter is not None and {p}written.alias(L, G):",
             f"        return {p}first._fail_aliased() or {p}failed()",
             f"    {p}refs = {p}last[0]",
             f"    if ({p}refs is not None and {p}last[3] == {p}demotions[0]",

@@ -30,7 +30,6 @@ from .errors import NosyncOptionsError
 
 log = logging.getLogger("torchsync_pass")
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -127,7 +126,7 @@ def _called_function(code: Any, scope: Any) -> Optional[tuple[Any, dict]]:
 
 
 def _in_torch(filename: str) -> bool:
-    return filename.startswith(_TORCH_DIR)
+    return filename.startswith(dynamo_hooks.TORCH_DIR)
 
 
 _warned: set = set()
@@ -193,21 +192,16 @@ def _is_module_hook(code: Any) -> bool:
     """Is ``code`` a forward (pre-)hook of a module being called (``nn.Module._call_impl`` on the
     stack runs it), compiled as a frame of its own?"""
     call_impl = _torch_private.module_call_code()
-    key = _code_key(code)
+    key = dynamo_hooks.code_key(code)
     f = sys._getframe(1)
     while f is not None:
         if f.f_code is call_impl:
             for h in _torch_private.module_hooks(f.f_locals.get("self")):
                 c = callable_code(h)
-                if c is not None and _code_key(c) == key:
+                if c is not None and dynamo_hooks.code_key(c) == key:
                     return True
         f = f.f_back
     return False
-
-
-def _code_key(code: Any) -> tuple:
-    """The same for a function's code and the code Dynamo runs for it (a transformed copy)."""
-    return (code.co_filename, code.co_firstlineno, code.co_name)
 
 
 def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = True) -> Optional[str]:

@@ -238,9 +238,7 @@ class Rewriter:
                                   "(many ops have no kernel for it: it could raise where eager skips the arm)")
                 if name in _LAYOUT:
                     continue
-                outs = cone._example(n)
-                misfit = _scalar_misfit(n, {o.dtype for o in (outs if isinstance(outs, (list, tuple)) else [outs])
-                                            if isinstance(o, torch.Tensor)})
+                misfit = _scalar_misfit(n, exs[-1])
                 if misfit is not None:
                     raise refused("BRANCH_MAY_RAISE", f"an arm runs {name} with the number {misfit[0]}, which "
                                   f"{misfit[1]} cannot hold (the kernel's conversion raises where eager skips the arm)")
@@ -273,13 +271,11 @@ def _fits(v: Any, dtype: torch.dtype) -> bool:
         return dtype.is_complex and all(_fits(p, torch.float64) for p in (v.real, v.imag))
     if dtype is torch.bool:
         return v in (0, 1)
-    if dtype.is_floating_point or dtype.is_complex:
-        if isinstance(v, float) and (math.isinf(v) or math.isnan(v)):
-            return True
-        info = torch.finfo(dtype)
-        return -info.max <= v <= info.max
-    info = torch.iinfo(dtype)
-    return (not isinstance(v, float) or math.isfinite(v)) and info.min <= v <= info.max
+    floating = dtype.is_floating_point or dtype.is_complex
+    if isinstance(v, float) and not math.isfinite(v):
+        return floating  # inf and NaN: a float holds them, an integer dtype raises
+    info = torch.finfo(dtype) if floating else torch.iinfo(dtype)
+    return info.min <= v <= info.max  # (finfo's min is -max)
 
 
 # Ops whose Python numbers the kernel does not convert with an overflow check (a comparison
@@ -291,15 +287,16 @@ _SCALAR_ALPHA_ONLY = frozenset({"add", "sub", "rsub"})
 _WIDE = frozenset({torch.int64, torch.float64, torch.complex128})
 
 
-def _scalar_misfit(n: torch.fx.Node, dtypes: set) -> Optional[tuple[Any, torch.dtype]]:
-    """A Python number among an arm op's arguments (one list deep) that a dtype the op makes (the
-    one the kernel converts its numbers to) cannot hold, with that dtype; None when every number
-    fits. Numbers that are not values (a ``dim``) are checked too: refusing a select keeps the
-    sync, still right. A number Dynamo made a graph input (a SymInt/SymFloat bound, its value
-    unknown until the call) fits only the widest dtypes."""
+def _scalar_misfit(n: torch.fx.Node, outs: Any) -> Optional[tuple[Any, torch.dtype]]:
+    """A Python number among an arm op's arguments (one list deep) that a dtype the op makes (of
+    its traced result ``outs``: the one the kernel converts its numbers to) cannot hold, with that
+    dtype; None when every number fits. Numbers that are not values (a ``dim``) are checked too:
+    refusing a select keeps the sync, still right. A number Dynamo made a graph input (a
+    SymInt/SymFloat bound, its value unknown until the call) fits only the widest dtypes."""
     name = cone._target_name(n).split(".")[0]
     if name in _SCALAR_UNCHECKED:
         return None
+    dtypes = {o.dtype for o in (outs if isinstance(outs, (list, tuple)) else [outs]) if isinstance(o, torch.Tensor)}
     if name in _SCALAR_ALPHA_ONLY:
         vals = [n.kwargs.get("alpha", n.args[2] if len(n.args) > 2 else None)]
     else:

@@ -335,7 +335,7 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
 def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
     bits = guards.bits_state()  # the value under today's global state (thread count, ...)
     changes = len(report.changed)
-    current: dict[int, tuple] = {}  # id(cone) -> (value key, value, leaves) for this request
+    current: dict[int, tuple] = {}  # id(cone) -> (value key, value) for this request
     by_cone: dict[int, list] = {}
     for chk in checks:  # several cache entries (specs) share one cone and its memo
         by_cone.setdefault(id(chk.cone), []).append(chk)
@@ -384,7 +384,7 @@ def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
             continue
         entry, synced = cone.current(tuple(leaves), cone.memo_for(bits))
         report.syncs += int(synced)
-        current[id(cone)] = (entry.key, entry.value, tuple(leaves))
+        current[id(cone)] = (entry.key, entry.value)
         if entry.key not in specs:
             report.changed.append(Change(chk.state.site, chk.state.source, entry.value,
                                          tuple(s.value for s in specs.values())))
@@ -418,13 +418,8 @@ def _check_one_entry_serves(checks: list, current: dict, fr: _Frame, report: Req
         if any(c.state_changed() or id(c.cone) not in current or current[id(c.cone)][0] != c.spec.key
                for c in members):
             continue
-        written = members[0].written  # one compile: every check of an entry has the same
-        leaves = tuple(t for c in members for t in current[id(c.cone)][2])
-        try:
-            if written.getter is not None and written.alias(fr.L, fr.G, leaves):
-                aliased = True
-                continue
-        except Exception:  # cannot tell: the guard would fail too
+        # one compile: every check of an entry has the same; alias() is True where it cannot tell
+        if members[0].written.alias(fr.L, fr.G):
             aliased = True
             continue
         return
