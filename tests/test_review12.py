@@ -180,3 +180,21 @@ def test_written_wrapper_subclass_beside_a_hoisted_leaf(aliased):
         got, want = fn(*outs[0]), _write_subclass_then_read(*outs[1])
         assert torch.equal(got.a, want.a) and torch.equal(got.b, want.b)
         assert torch.equal(outs[0][1], outs[1][1])
+
+
+def _vmap_then_branch(x, mask):
+    y = torch.vmap(lambda r: r * 2)(x)
+    if mask.any():  # request-invariant: hoisted
+        y = y + 1
+    return y
+
+
+def test_step_with_vmap_and_a_hoisted_sync():
+    """A step calling torch.vmap beside a hoisted sync failed to compile (AttributeError: a vmap's
+    batched fake tensor has no fake_mode) where eager and stock torch.compile run it (found by
+    review 12)."""
+    x, mask = torch.ones(4, 4), torch.tensor([1, 0])
+    g = _compile(_vmap_then_branch, ["mask"])
+    for _ in range(2):
+        assert_bitwise(g(x, mask), _vmap_then_branch(x, mask))
+    assert _hoisted()

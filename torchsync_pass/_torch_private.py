@@ -113,8 +113,9 @@ def dispatched_ops(fn: Callable, args: tuple, kwargs: dict) -> Optional[tuple[li
     flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
     # NOTE: the examples' own mode, not the tracing context's (detect_fake_mode prefers that one,
     # and a backend runs under a fresh one: "Mixing fake modes NYI")
-    modes = {id(x.fake_mode): x.fake_mode for x in flat if is_fake(x)}
-    if len(modes) != 1:
+    # (a functorch-wrapped fake, a vmap's batched tensor, is fake without a mode of its own)
+    modes = {id(m): m for x in flat if is_fake(x) for m in [getattr(x, "fake_mode", None)]}
+    if len(modes) != 1 or None in modes.values():
         return None
     (fake_mode,) = modes.values()
     ops: list = []
