@@ -198,3 +198,34 @@ def test_step_with_vmap_and_a_hoisted_sync():
     for _ in range(2):
         assert_bitwise(g(x, mask), _vmap_then_branch(x, mask))
     assert _hoisted()
+
+
+class _ScaledForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x, **kwargs):
+        x = x * self.scale  # the declared buffer
+        g = kwargs.get("scale")  # a per-request keyword, not declared
+        if g is not None and g.item() > 0:
+            x = x + 1
+        return x
+
+
+class _WrappedScaledForward(_ScaledForward):
+    forward = _wraps(_ScaledForward.forward)
+
+
+@pytest.mark.parametrize("cls", [_ScaledForward, _WrappedScaledForward])
+def test_bare_name_through_a_wrapper_does_not_declare_the_forwards_own_kwargs(cls):
+    """"scale" declares self.scale; through a pass-through wrapper it also declared the keyword
+    kwargs["scale"] that the forward takes in its own **kwargs: hoisted as declared (identity only
+    for an inference tensor), stale after an in-place write (found by review 12)."""
+    m = cls()
+    g = _compile(m, ["scale"])
+    with torch.inference_mode():
+        x, s = torch.ones(2), torch.tensor(1.0)  # s: a request tensor written in place
+        for v in (1.0, -1.0, 1.0, -1.0):
+            s.fill_(v)
+            assert_bitwise(g(x, scale=s), m(x, scale=s))

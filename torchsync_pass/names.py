@@ -44,30 +44,47 @@ def pass_through(code: Any) -> bool:
     return any(i.opname == "CALL_FUNCTION_EX" for i in dis.get_instructions(code))
 
 
-def _varkw_prefix() -> Optional[str]:
-    """``"kwargs."`` when the frame Dynamo compiles is a pass-through wrapper (:func:`pass_through`),
-    else None: its keyword arguments are those of the function it calls."""
-    code = dynamo_hooks.current_frame()[0]
-    if code is None or not pass_through(code):
-        return None
-    return code.co_varnames[code.co_argcount + 1] + "."
-
-
 def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
     """Is the leaf of user name ``name`` (``self.attn.mask``) and guard source ``source`` among the
     declared names? ``mask`` declares ``self.mask`` (and an argument ``mask``); ``self.mask`` only
     the module's; a global (``G[...]``) is never declared (names are arguments and their
-    attributes). Through a pass-through wrapper's ``**kwargs`` (``kwargs.ids``) the keyword's own
-    name (``ids``) declares it."""
+    attributes). In a pass-through wrapper's frame a leaf is also declared by its name in the
+    function the wrapper calls (:func:`inner_name`: ``kwargs.ids`` is ``ids`` there when that
+    function takes ``ids``, ``kw.ids`` when its own ``**kw`` gets it)."""
     if source.startswith("G["):
         return False
-    prefix = _varkw_prefix() if "." in name else None
-    if prefix is not None and name.startswith(prefix) and name[len(prefix):] in declared:
-        return True
-    for d in declared:
-        if name == d or (not d.startswith("self.") and name == "self." + d):
-            return True
-    return False
+    code, scope = dynamo_hooks.current_frame()
+    if code is not None and pass_through(code) and name not in declared:
+        inner = inner_name(name, code, scope)
+        if inner is None and not name.startswith("self."):  # the function called is not known
+            return False
+        name = inner or name
+    return name in declared or (name.startswith("self.") and name[5:] in declared)
+
+
+def inner_name(name: str, code: Any, scope: Any) -> Optional[str]:
+    """The name, in the function the pass-through wrapper frame ``code`` calls, of the wrapper's
+    ``name`` (``kwargs.ids`` -> ``ids``, ``module.mask`` -> ``self.mask``, ``args.0`` -> ``x``):
+    the parameter the very object was bound to. None when the function or the object is not found."""
+    called = _called_function(code, scope)
+    if called is None:
+        return None
+    parts = name.split(".")
+    obj = scope.get(parts[0])
+    head = 1
+    if parts[0] in _arg_names(code)[code.co_argcount:] and len(parts) > 1:  # args.0, kwargs.ids
+        head = 2
+        try:
+            obj = obj[int(parts[1])] if isinstance(obj, tuple) else obj[parts[1]]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+    for param, v in called[1].items():
+        if v is obj:
+            return ".".join([param, *parts[head:]])
+        for k, x in (v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, tuple) else ()):
+            if x is obj:
+                return ".".join([param, str(k), *parts[head:]])
+    return None
 
 
 def _arg_names(code: Any) -> tuple:
@@ -78,15 +95,16 @@ def _arg_names(code: Any) -> tuple:
 
 def _unwrap(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> tuple[Any, tuple, dict]:
     """The Python function a call of ``fn(*args, **kwargs)`` runs, with the arguments it gets:
-    through ``functools.partial``, bound methods and ``__wrapped__`` (``functools.wraps``)."""
+    through bound methods, ``__wrapped__`` (``functools.wraps``: the same arguments; also on a
+    partial, as accelerate's forward) and ``functools.partial``."""
     kwargs = dict(kwargs or {})
     for _ in range(32):
-        if isinstance(fn, functools.partial):
-            args, kwargs, fn = (*fn.args, *args), {**fn.keywords, **kwargs}, fn.func
-        elif isinstance(fn, types.MethodType):
+        if isinstance(fn, types.MethodType):
             args, fn = (fn.__self__, *args), fn.__func__
         elif isinstance(getattr(fn, "__wrapped__", None), types.FunctionType | functools.partial | types.MethodType):
             fn = fn.__wrapped__
+        elif isinstance(fn, functools.partial):
+            args, kwargs, fn = (*fn.args, *args), {**fn.keywords, **kwargs}, fn.func
         else:
             break
     return fn, args, kwargs
@@ -103,19 +121,23 @@ def callable_code(fn: Any) -> Any:
 
 
 def _called_function(code: Any, scope: Any) -> Optional[tuple[Any, dict]]:
-    """For a pass-through wrapper frame: ``(code, arguments)`` of the user function it calls (a
-    callable of its closure, its arguments bound to that function's parameters), or None."""
+    """For a pass-through wrapper frame: ``(code, arguments)`` of the user function it calls, its
+    arguments bound to that function's parameters, or None. Looked for among the callables of the
+    wrapper's closure and, when its receiver is a module, the module's ``forward`` (accelerate's
+    ``new_forward(module, *args, **kwargs)``, a plain function, replaced it)."""
     if not pass_through(code) or not isinstance(scope, dict):
         return None
     names = _arg_names(code)
-    args = tuple(scope.get(names[-2], ())) if len(names) >= 2 else ()
-    if code.co_argcount:
-        args = (scope.get(names[0]), *args)
-    kwargs = scope.get(names[-1]) or {}
-    for free in code.co_freevars:
-        fn, a, k = _unwrap(scope.get(free), args, kwargs)
+    args, kwargs = tuple(scope.get(names[-2], ())), scope.get(names[-1]) or {}
+    receiver = (scope.get(names[0]),) if code.co_argcount else ()
+    candidates = [(scope.get(free), (*receiver, *args)) for free in code.co_freevars]
+    if receiver and isinstance(receiver[0], torch.nn.Module):
+        candidates.append((getattr(receiver[0], "forward", None), args))
+    for fn, a in candidates:
+        fn, a, k = _unwrap(fn, a, kwargs)
         inner = getattr(fn, "__code__", None)
-        if not isinstance(fn, types.FunctionType) or inner is code or _in_torch(inner.co_filename):
+        if not isinstance(fn, types.FunctionType) or dynamo_hooks.code_key(inner) == dynamo_hooks.code_key(code) \
+                or _in_torch(inner.co_filename):
             continue
         try:
             bound = inspect.signature(fn, follow_wrapped=False).bind(*a, **k)
