@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 import torchsync_pass
+from torch._dynamo.utils import counters
+
 from test_core import assert_bitwise
 from test_review11 import _Masked, _wraps, masked_select_lines
 
@@ -229,3 +231,54 @@ def test_bare_name_through_a_wrapper_does_not_declare_the_forwards_own_kwargs(cl
         for v in (1.0, -1.0, 1.0, -1.0):
             s.fill_(v)
             assert_bitwise(g(x, scale=s), m(x, scale=s))
+
+
+def _silu_then_branch(x, m):
+    s = 2.0 if m.any() else 3.0  # request-invariant: hoisted
+    return torch.nn.functional.silu(x) * s
+
+
+@pytest.mark.parametrize("kind", ["nested_jagged", "two_tensor"])
+def test_subclass_input_to_a_python_function_beside_a_hoisted_sync(kind):
+    """A nested jagged tensor or a wrapper subclass passed to a Python function Dynamo keeps whole
+    (F.silu) failed the compile (AttributeError: no fake_mode) beside a hoisted sync (found by
+    review 12)."""
+    if kind == "two_tensor":
+        x = pytest.importorskip("torch.testing._internal.two_tensor").TwoTensor(torch.randn(4), torch.randn(4))
+    else:
+        x = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged)
+    m = torch.tensor([1, 0])
+    g = _compile(_silu_then_branch, ["m"])
+    want = _silu_then_branch(x, m)
+    for _ in range(2):
+        got = g(x, m)
+        if kind == "two_tensor":
+            assert torch.equal(got.a, want.a) and torch.equal(got.b, want.b)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(got.unbind(), want.unbind()))
+
+
+class _Solve(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("A", torch.randn(3, 3, generator=g))
+        self.register_buffer("b", torch.randn(3, generator=g))
+
+    def forward(self, x):
+        m = self.A @ self.A.T + torch.eye(3)  # autocast runs this matmul in bfloat16
+        return x * torch.linalg.solve(m, self.b).sum()  # reads back inside: tabulated
+
+
+def test_tabulated_op_under_autocast_with_dynamos_guards_dropped():
+    """A tabulated op's memo was keyed without autocast (and the default dtype): with Dynamo's
+    guards dropped as the README shows for serving engines, a call under autocast was served the
+    table computed without it (found by review 12)."""
+    filt = torchsync_pass.keep_nosync_guards(torch.compiler.skip_all_guards_unsafe)
+    torch._dynamo.reset()
+    m = _Solve()
+    g = torch.compile(_Solve(), backend="nosync", options={**EAGER, "guard_filter_fn": filt})
+    for autocast in (False, True, False, True):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            assert_bitwise(g(torch.ones(2)), m(torch.ones(2)))
+    assert counters["nosync"]["table_computes"] >= 2

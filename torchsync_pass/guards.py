@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _torch_private, dynamo_hooks, names
-from .cone import (HOISTED_LEAF_META, ConeResult, analyze_cone, cone_of, storage_of,
+from .cone import (HOISTED_LEAF_META, ConeResult, _autocast_devices, analyze_cone, cone_of, storage_of,
                    hidden_writes_to_hoisted, mark_hoisted, state_region_of, written_storages)
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
 
@@ -185,6 +185,17 @@ def bits_state() -> tuple:
         torch.backends.cudnn.allow_tf32,
         _torch_private.fp32_precisions(),
     )
+
+
+def value_state() -> tuple:
+    """The global state a cached tensor value depends on besides its inputs (the key of the
+    invariant runner's and the tabulated ops' memos): grad mode (what a value carries),
+    :func:`bits_state`, the default dtype, autocast (each device type's autocast dtype where it is
+    on), inference mode (values computed under it are inference tensors). Position 4 is inference
+    mode."""
+    return (torch.is_grad_enabled(), bits_state(), torch.get_default_dtype(),
+            tuple([(d, torch.get_autocast_dtype(d)) for d in _autocast_devices()]),
+            torch.is_inference_mode_enabled())
 
 
 # The ops whose bits no precision setting changes (elementwise ops and reductions as torch tags

@@ -72,7 +72,7 @@ import torch
 from torch import fx
 
 from . import cone, dynamo_hooks
-from .guards import MEMO_SIZE, ConeMemo, bits_state, counters, record_decision
+from .guards import MEMO_SIZE, ConeMemo, counters, record_decision, value_state
 from .report import Action, Decision, Reason
 from .tables import TableTooLarge, _int_value, _only_indexes, _SIZE_SOURCES, index_range
 
@@ -229,9 +229,10 @@ class TabulatedOp:
                 return False, None
         if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
             return False, None  # a cached value would carry one call's autograd graph
-        # NOTE: values computed under inference_mode are inference tensors (autograd refuses to save
-        # them), and grad mode decides what a value carries: one table per mode, as per bits state.
-        bits = (bits_state(), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        # NOTE: one table per global state a value depends on (grad and inference mode, autocast,
+        # default dtype, bits state): a graph with a table and no hoisted site has no nosync guard
+        # to check that state, and a guard filter may have dropped Dynamo's own
+        bits = value_state()
         memo = shared.memos.get(bits)
         if memo is None:
             memo = shared.memos[bits] = ConeMemo(self.declared, MEMO_SIZE)

@@ -80,8 +80,8 @@ import torch
 from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, names, rewrite, symbolic
-from .guards import (MEMO_SIZE, ConeMemo, bits_state, counters, fast_key, precision_reader, record_decision,
-                     same_call_expr)
+from .guards import (MEMO_SIZE, ConeMemo, counters, fast_key, precision_reader, record_decision,
+                     same_call_expr, value_state)
 from .report import Action, Decision, Reason
 
 log = logging.getLogger(__name__)
@@ -434,7 +434,7 @@ class InvariantRunner:
         else:
             check = _torch_private.global_state_now().check
             precisions = read() if read is not None else None
-            state = (grad, bits_state(), torch.get_default_dtype(), _autocast_state(), inference)
+            state = value_state()
             self.last_state = (check, precisions, state)
         memo = self.memos.get(state)
         if memo is None:
@@ -459,11 +459,6 @@ class InvariantRunner:
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
         self.last = (grad, e.refs, key, e.value, check, precisions, inference)
         return e.value
-
-
-def _autocast_state() -> tuple:
-    """The autocast dtype of each device type with autocast on (the invariant part's ops follow it)."""
-    return tuple([(d, torch.get_autocast_dtype(d)) for d in cone._autocast_devices()])
 
 
 def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any],
