@@ -282,3 +282,108 @@ def test_tabulated_op_under_autocast_with_dynamos_guards_dropped():
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             assert_bitwise(g(torch.ones(2)), m(torch.ones(2)))
     assert counters["nosync"]["table_computes"] >= 2
+
+
+def _with_hook(hook):
+    def deco(method):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            hook(*args, **kwargs)  # logging, validation, metrics: called before the method
+            return method(*args, **kwargs)
+        return wrapper
+    return deco
+
+
+def _log_call(module, *args, **kwargs):
+    pass
+
+
+class _HookedIds(nn.Module):
+    @_with_hook(_log_call)
+    def forward(self, x, ids):
+        if (ids > 0).any():
+            return x + 1
+        return x
+
+
+def _renamed_keyword(old, new):
+    """transformers' ``deprecate_kwarg`` shape: the wrapper takes the old keyword and renames it."""
+    def deco(method):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            if old in kwargs:
+                kwargs[new] = kwargs.pop(old)
+            return method(*args, **kwargs)
+        return wrapper
+    return deco
+
+
+class _RenamedIds(nn.Module):
+    @_renamed_keyword("token_type", "token_types")
+    def forward(self, x, token_types=None):
+        if (token_types > 0).any():
+            x = x + 1
+        return x
+
+
+class _NoGradIds(nn.Module):
+    @torch.no_grad()
+    def forward(self, x, ids):
+        if (ids > 0).any():
+            return x + 1
+        return x
+
+
+def _logged_hook(mod, args):
+    return (args[0] * 2.0,)
+
+
+def test_names_through_wrappers_that_call_more_than_the_method():
+    """A wrapper calling a hook before the method had the hook taken for the function called (a
+    valid name refused under strict); a forward pre-hook wrapped by functools.wraps was not seen
+    as a hook (a valid module name refused) (found by review 12)."""
+    x, ids = torch.ones(2), torch.tensor([1, 0])
+    m = _HookedIds()
+    g = _compile(m, ["ids"])
+    for _ in range(2):
+        assert_bitwise(g(x, ids), m(x, ids))
+    m = _Masked()
+    m.register_forward_pre_hook(_wraps(_logged_hook))
+    ref = _Masked()
+    ref.register_forward_pre_hook(_wraps(_logged_hook))
+    g = _compile(m, ["self.mask"])
+    for _ in range(2):
+        assert_bitwise(g(torch.ones(2)), ref(torch.ones(2)))
+
+
+@pytest.mark.parametrize("model, kwargs, typo", [
+    (_NoGradIds, {"ids": torch.tensor([1, 0])}, "idz"),
+    (_NoGradIds, {"ids": torch.tensor([1, 0])}, "self.msak"),
+    (_RenamedIds, {"token_type": torch.tensor([1, 0])}, "token_tpyes"),
+], ids=["no_grad_forward", "no_grad_forward_self", "renamed_keyword"])
+def test_typo_reported_through_torch_and_renaming_wrappers(model, kwargs, typo):
+    """A typo passed silently under strict=True in a @torch.no_grad() forward (torch's wrapper holds
+    the module, not a function) and when the wrapper was called with a keyword it renames (the
+    arguments did not bind to the method) (found by review 12)."""
+    g = _compile(model(), [typo])
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match=typo.replace(".", r"\.")):
+        g(torch.ones(2), **kwargs)
+
+
+def _denoiser(sample, timestep):
+    return sample * timestep.exp()
+
+
+def _denoise(fn, latents, timesteps):
+    for t in timesteps:
+        latents = fn(latents, t)
+    return latents
+
+
+def test_typo_not_accepted_for_a_name_of_the_loop_that_calls_the_compiled_function():
+    """'timesteps' (for the argument 'timestep') passed strict=True silently when the compiled
+    function was called from a loop taking 'timesteps': any running caller counted, not only one
+    inside the compiled call (found by review 12)."""
+    g = _compile(_denoiser, ["timesteps"])
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match="timesteps"):
+        _denoise(g, torch.ones(2), torch.tensor([0.5, 0.25]))

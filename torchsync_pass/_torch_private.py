@@ -544,6 +544,15 @@ def module_call_code() -> Any:
     return getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
 
 
+def is_compile_entry(code: Any) -> bool:
+    """Is ``code`` Dynamo's entry of a compiled call (the wrapper a function ``torch.compile``
+    returned runs, ``compile_wrapper`` in eval_frame.py, 2.11 to 2.15): the frames under it on the
+    stack run inside the compiled call?"""
+    from torch._dynamo import eval_frame
+
+    return code.co_filename == eval_frame.__file__
+
+
 def module_hooks(mod: Any) -> list:
     """The forward hooks ``nn.Module._call_impl`` runs for ``mod``: its own forward pre-hooks and
     hooks, and the global ones (``register_module_forward_pre_hook``/``..._hook``)."""

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import types
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -53,38 +53,36 @@ def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
     function takes ``ids``, ``kw.ids`` when its own ``**kw`` gets it)."""
     if source.startswith("G["):
         return False
+    if name in declared or (name.startswith("self.") and name[5:] in declared):
+        return True
     code, scope = dynamo_hooks.current_frame()
-    if code is not None and pass_through(code) and name not in declared:
-        inner = inner_name(name, code, scope)
-        if inner is None and not name.startswith("self."):  # the function called is not known
-            return False
-        name = inner or name
-    return name in declared or (name.startswith("self.") and name[5:] in declared)
+    if code is None or not pass_through(code):
+        return False
+    return any(n in declared or (n.startswith("self.") and n[5:] in declared) for n in inner_name(name, code, scope))
 
 
-def inner_name(name: str, code: Any, scope: Any) -> Optional[str]:
-    """The name, in the function the pass-through wrapper frame ``code`` calls, of the wrapper's
-    ``name`` (``kwargs.ids`` -> ``ids``, ``module.mask`` -> ``self.mask``, ``args.0`` -> ``x``):
-    the parameter the very object was bound to. None when the function or the object is not found."""
-    called = _called_function(code, scope)
-    if called is None:
-        return None
+def inner_name(name: str, code: Any, scope: Any) -> list[str]:
+    """The names, in the functions the pass-through wrapper frame ``code`` may call, of the
+    wrapper's ``name`` (``kwargs.ids`` -> ``ids``, ``module.mask`` -> ``self.mask``, ``args.0`` ->
+    ``x``): the parameter the very object was bound to. Empty when no function or object is found."""
     parts = name.split(".")
-    obj = scope.get(parts[0])
+    obj = scope.get(parts[0]) if isinstance(scope, dict) else None
     head = 1
     if parts[0] in _arg_names(code)[code.co_argcount:] and len(parts) > 1:  # args.0, kwargs.ids
         head = 2
         try:
             obj = obj[int(parts[1])] if isinstance(obj, tuple) else obj[parts[1]]
         except (KeyError, IndexError, TypeError, ValueError):
-            return None
-    for param, v in called[1].items():
-        if v is obj:
-            return ".".join([param, *parts[head:]])
-        for k, x in (v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, tuple) else ()):
-            if x is obj:
-                return ".".join([param, str(k), *parts[head:]])
-    return None
+            return []
+    out = []
+    for _, bound in _called_functions(code, scope):
+        for param, v in bound.items():
+            if v is obj:
+                out.append(".".join([param, *parts[head:]]))
+            for k, x in (v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, tuple) else ()):
+                if x is obj:
+                    out.append(".".join([param, str(k), *parts[head:]]))
+    return out
 
 
 def _arg_names(code: Any) -> tuple:
@@ -93,58 +91,60 @@ def _arg_names(code: Any) -> tuple:
     return code.co_varnames[:n]
 
 
-def _unwrap(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> tuple[Any, tuple, dict]:
-    """The Python function a call of ``fn(*args, **kwargs)`` runs, with the arguments it gets:
-    through bound methods, ``__wrapped__`` (``functools.wraps``: the same arguments; also on a
-    partial, as accelerate's forward) and ``functools.partial``."""
+def _unwrapping(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Iterator[tuple[Any, tuple, dict]]:
+    """Each callable a call of ``fn(*args, **kwargs)`` goes through, with the arguments it gets,
+    down to the Python function it runs: through bound methods, a module (its ``forward``), a
+    callable object (its ``__call__``), ``__wrapped__`` (``functools.wraps``: the same arguments;
+    also on a partial, as accelerate's forward) and ``functools.partial``."""
     kwargs = dict(kwargs or {})
     for _ in range(32):
+        yield fn, args, kwargs
+        call = getattr(type(fn), "__call__", None)
         if isinstance(fn, types.MethodType):
             args, fn = (fn.__self__, *args), fn.__func__
+        elif isinstance(fn, torch.nn.Module):
+            fn = fn.forward
         elif isinstance(getattr(fn, "__wrapped__", None), types.FunctionType | functools.partial | types.MethodType):
             fn = fn.__wrapped__
         elif isinstance(fn, functools.partial):
             args, kwargs, fn = (*fn.args, *args), {**fn.keywords, **kwargs}, fn.func
+        elif not isinstance(fn, (types.FunctionType, type)) and isinstance(call, types.FunctionType):
+            args, fn = (fn, *args), call
         else:
-            break
-    return fn, args, kwargs
+            return
 
 
-def callable_code(fn: Any) -> Any:
-    """The code object a call of ``fn`` runs (a function, partial, bound method, callable object),
-    or None."""
-    fn = _unwrap(fn)[0]
-    code = getattr(fn, "__code__", None)
-    if code is None and not isinstance(fn, type):
-        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)
-    return code
-
-
-def _called_function(code: Any, scope: Any) -> Optional[tuple[Any, dict]]:
-    """For a pass-through wrapper frame: ``(code, arguments)`` of the user function it calls, its
-    arguments bound to that function's parameters, or None. Looked for among the callables of the
-    wrapper's closure and, when its receiver is a module, the module's ``forward`` (accelerate's
-    ``new_forward(module, *args, **kwargs)``, a plain function, replaced it)."""
+def _called_functions(code: Any, scope: Any) -> list[tuple[Any, dict]]:
+    """For a pass-through wrapper frame: ``(code, arguments)`` of each user function it may call,
+    the wrapper's arguments bound to that function's parameters (keywords it does not take
+    dropped: a decorator may rename them, as transformers' ``deprecate_kwarg``). Looked for among
+    the callables of the wrapper's closure and, when its receiver is a module, the module's
+    ``forward`` (accelerate's ``new_forward(module, *args, **kwargs)``, a plain function, replaced
+    it)."""
     if not pass_through(code) or not isinstance(scope, dict):
-        return None
+        return []
     names = _arg_names(code)
     args, kwargs = tuple(scope.get(names[-2], ())), scope.get(names[-1]) or {}
     receiver = (scope.get(names[0]),) if code.co_argcount else ()
     candidates = [(scope.get(free), (*receiver, *args)) for free in code.co_freevars]
     if receiver and isinstance(receiver[0], torch.nn.Module):
         candidates.append((getattr(receiver[0], "forward", None), args))
+    out = []
     for fn, a in candidates:
-        fn, a, k = _unwrap(fn, a, kwargs)
+        *_, (fn, a, k) = _unwrapping(fn, a, kwargs)
         inner = getattr(fn, "__code__", None)
         if not isinstance(fn, types.FunctionType) or dynamo_hooks.code_key(inner) == dynamo_hooks.code_key(code) \
                 or _in_torch(inner.co_filename):
             continue
         try:
-            bound = inspect.signature(fn, follow_wrapped=False).bind(*a, **k)
+            sig = inspect.signature(fn, follow_wrapped=False)
+            if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+                k = {n: v for n, v in k.items() if n in sig.parameters}
+            bound = sig.bind_partial(*a, **k)
         except (TypeError, ValueError):
             continue
-        return inner, dict(bound.arguments)
-    return None
+        out.append((inner, dict(bound.arguments)))
+    return out
 
 
 def _in_torch(filename: str) -> bool:
@@ -166,23 +166,22 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
     Asked at each sync site and, for invariant caching, for each compiled graph.
 
     A name may belong to the frame compiled, to the function a pass-through wrapper frame calls
-    (:func:`_called_function`), or to a caller running on the stack (a callee compiled as a frame
-    of its own after a graph break). Not reported where the names cannot be told: a pass-through
+    (:func:`_called_functions`), or to a caller running inside the compiled call (a callee
+    compiled as a frame of its own after a graph break: :func:`_resolves_in_a_caller`). Not reported where the names cannot be told: a pass-through
     wrapper whose callee is not found, torch's own frames, a module's hook (called by
     ``nn.Module._call_impl``, not its ``forward``).
     """
     if not opts.invariant or code is None or dynamo_hooks.RESUME_RE.match(code.co_name):
         return
     scopes = [] if _in_torch(code.co_filename) else [(code, frame_locals)]
-    inner = _called_function(code, frame_locals)
-    if inner is not None:
-        scopes.append(inner)
+    inner = _called_functions(code, frame_locals)
+    scopes += inner
     failed = []
     for name in map(str, opts.invariant):
         problems = [_declared_name_problem(name, _arg_names(c), s) for c, s in scopes]
-        if problems and None not in problems and not _resolves_on_stack(name):
+        if problems and None not in problems and not _resolves_in_a_caller(name):
             failed.append((name, problems[-1]))
-    if not failed or (inner is None and pass_through(code)) or _is_module_hook(code):
+    if not failed or (not inner and pass_through(code)) or _is_module_hook(code):
         return
     where, _ = scopes[-1]
     for name, problem in failed:
@@ -197,11 +196,12 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
             log.warning("%s", message)
 
 
-def _resolves_on_stack(name: str) -> bool:
-    """Does ``name`` resolve in a user frame running now (a caller of the frame compiled)?
-    (``f_locals`` is a proxy, not a dict, from Python 3.13.)"""
+def _resolves_in_a_caller(name: str) -> bool:
+    """Does ``name`` resolve in a user frame running inside the compiled call (a caller of the frame
+    compiled, below the entry of the function ``torch.compile`` returned: not a loop that calls
+    it)? (``f_locals`` is a proxy, not a dict, from Python 3.13.)"""
     f = sys._getframe(1)
-    while f is not None:
+    while f is not None and not _torch_private.is_compile_entry(f.f_code):
         file = f.f_code.co_filename
         if not (_in_torch(file) or file.startswith(_OWN_DIR)) and \
                 _declared_name_problem(name, _arg_names(f.f_code), dict(f.f_locals), fallback=False) is None:
@@ -219,8 +219,8 @@ def _is_module_hook(code: Any) -> bool:
     while f is not None:
         if f.f_code is call_impl:
             for h in _torch_private.module_hooks(f.f_locals.get("self")):
-                c = callable_code(h)
-                if c is not None and dynamo_hooks.code_key(c) == key:
+                if any(key == dynamo_hooks.code_key(c) for fn, _, _ in _unwrapping(h)
+                       if (c := getattr(fn, "__code__", None)) is not None):
                     return True
         f = f.f_back
     return False
