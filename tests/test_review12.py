@@ -387,3 +387,115 @@ def test_typo_not_accepted_for_a_name_of_the_loop_that_calls_the_compiled_functi
     g = _compile(_denoiser, ["timesteps"])
     with pytest.raises(torchsync_pass.NosyncOptionsError, match="timesteps"):
         _denoise(g, torch.ones(2), torch.tensor([0.5, 0.25]))
+
+
+def _stale_under_writes(compiled, eager, write, calls=4):
+    """Call ``compiled`` and ``eager`` under inference mode after ``write(v)`` changes an undeclared
+    tensor in place (v = 1, -1, 1, -1): every output must be eager's."""
+    with torch.inference_mode():
+        for v in (1.0, -1.0, 1.0, -1.0)[:calls]:
+            write(v)
+            assert_bitwise(compiled(), eager())
+
+
+def _helper_after_break(mask, y):  # its ``mask`` is the caller's ``x``
+    torch._dynamo.graph_break()
+    return y * 2.0 if (mask > 0).any() else y * 3.0
+
+
+def _calls_helper(x, mask):
+    return _helper_after_break(x, mask) + 1
+
+
+class _InnerScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.inference_mode():
+            self.register_buffer("scale", torch.ones(3))  # written in place: not declared
+
+    def forward(self, h):
+        torch._dynamo.graph_break()
+        return h * 2.0 if (self.scale > 0).any() else h * 3.0
+
+
+class _OuterScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.inference_mode():
+            self.register_buffer("scale", torch.ones(3))  # the one declared
+        self.inner = _InnerScale()
+
+    def forward(self, h):
+        return self.inner(h * self.scale)
+
+
+def test_callee_compiled_alone_is_not_declared_by_its_own_names():
+    """A callee compiled as a frame of its own after a graph break had its leaves matched against
+    the declared names by its own local names: helper's 'mask' (the caller's undeclared x), a
+    submodule's self.scale for the outer module's 'self.scale'; hoisted as declared, stale (found
+    by review 12)."""
+    with torch.inference_mode():
+        x, mask = torch.ones(3), torch.ones(3)
+    g = _compile(_calls_helper, ["mask"])
+    _stale_under_writes(lambda: g(x, mask), lambda: _calls_helper(x, mask), x.fill_)
+    m, h = _OuterScale(), torch.ones(3)
+    g = _compile(m, ["self.scale"])
+    _stale_under_writes(lambda: g(h), lambda: m(h), m.inner.scale.fill_)
+
+
+def _forward_hook_style(method):
+    """diffusers' ``apply_forward_hook``: ``wrapper(self, *args, **kwargs)`` around a method."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
+class _Score(nn.Module):
+    def forward(self, x, mask):  # forward's second argument is "mask"
+        return x * mask
+
+    @_forward_hook_style
+    def score(self, mask, x):  # score's first
+        return mask * 2.0 if (x > 0).any() else mask * 3.0
+
+
+def _score(x, mask):
+    return mask * 2.0 if (x > 0).any() else mask * 3.0
+
+
+def test_declared_name_belongs_to_the_function_compiled():
+    """A wrapped method other than forward had its arguments bound to the module's forward
+    ('mask' declared score's x); a partial given __wrapped__ by update_wrapper was bound without the
+    partial's own argument; both hoisted an undeclared tensor as declared, stale (found by
+    review 12)."""
+    m = _Score()
+    with torch.inference_mode():
+        x, mask = torch.ones(3), torch.ones(3)
+    g = _compile(m.score, ["mask"])
+    _stale_under_writes(lambda: g(mask, x), lambda: m.score(mask, x), x.fill_)
+    p = functools.update_wrapper(functools.partial(_score, x), _score)  # p(mask) = _score(x, mask)
+    g = _compile(p, ["mask"])
+    _stale_under_writes(lambda: g(mask), lambda: p(mask), x.fill_)
+
+
+def _plain(fn):
+    def inner(*args, **kwargs):  # no functools.wraps: the function it calls is hidden
+        return fn(*args, **kwargs)
+    return inner
+
+
+def test_valid_name_not_refused_behind_a_decorator_without_wraps():
+    """Behind a decorator without functools.wraps (under one with it) a valid name was refused
+    under strict=True (checked against the wrapper's *args/**kwargs) (found by review 12)."""
+    x, tt = torch.ones(2), torch.tensor([2, 0])
+    fn = _wraps(_plain(_step_with_tt))
+    g = _compile(fn, ["tt"])
+    for _ in range(2):
+        assert_bitwise(g(x, tt), fn(x, tt))
+
+
+def _step_with_tt(x, tt):
+    if (tt == 2).any():
+        x = x + 1
+    return x

@@ -538,32 +538,23 @@ def inductor_mode_options(mode: str) -> dict[str, Any]:
     return torch._inductor.list_mode_options(mode)
 
 
-def module_call_code() -> Any:
-    """The code object of ``nn.Module._call_impl`` (what runs a module's hooks and its forward),
-    or None where this torch has no such method."""
-    return getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
-
-
-def is_compile_entry(code: Any) -> bool:
-    """Is ``code`` Dynamo's entry of a compiled call (the wrapper a function ``torch.compile``
-    returned runs, ``compile_wrapper`` in eval_frame.py, 2.11 to 2.15): the frames under it on the
-    stack run inside the compiled call?"""
+def compile_entry_call() -> Optional[tuple[Any, tuple, dict]]:
+    """``(callable, args, kwargs)`` of the compiled call running now: the function
+    ``torch.compile`` was given and this call's arguments, from Dynamo's entry frame on the stack
+    (``compile_wrapper`` in eval_frame.py, 2.11 to 2.15, which holds them as ``fn``, ``args``,
+    ``kwargs``); None when there is none (the innermost one counts)."""
     from torch._dynamo import eval_frame
 
-    return code.co_filename == eval_frame.__file__
-
-
-def module_hooks(mod: Any) -> list:
-    """The forward hooks ``nn.Module._call_impl`` runs for ``mod``: its own forward pre-hooks and
-    hooks, and the global ones (``register_module_forward_pre_hook``/``..._hook``)."""
-    from torch.nn.modules import module as _m
-
-    out: list = []
-    for d in (getattr(mod, "_forward_pre_hooks", None), getattr(mod, "_forward_hooks", None),
-              getattr(_m, "_global_forward_pre_hooks", None), getattr(_m, "_global_forward_hooks", None)):
-        if isinstance(d, dict):
-            out += list(d.values())
-    return out
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename != eval_frame.__file__:
+        f = f.f_back
+    while f is not None and f.f_code.co_filename == eval_frame.__file__:
+        scope = f.f_locals
+        fn, args, kwargs = scope.get("fn"), scope.get("args"), scope.get("kwargs")
+        if fn is not None and isinstance(args, tuple) and isinstance(kwargs, dict):
+            return fn, args, kwargs
+        f = f.f_back
+    return None
 
 
 def is_op_overload(t: Any) -> bool:

@@ -1,25 +1,23 @@
 """The names of ``options['invariant']``: which leaves they declare, and whether they name anything.
 
-A declared name is an argument of the compiled function or a dotted path from one
-(``token_types``, ``self.attn.mask``, ``kwargs.ids``, ``args.0``); a bare name also stands for the
-module's own attribute (``mask`` for ``self.mask``). Dynamo does not always compile the user's
-function as the frame: a decorator's pass-through wrapper (``wrapper(*args, **kwargs)``, torch's
+A declared name is an argument of the function given to ``torch.compile`` or a dotted path from
+one (``token_types``, ``self.attn.mask``, ``kwargs.ids``, ``args.0``); a bare name also stands
+for the module's own attribute (``mask`` for ``self.mask``). Dynamo does not always compile that
+function as the frame: a decorator's wrapper (``functools.wraps``, torch's around
 ``@torch.no_grad()``, diffusers' wrapped forwards, accelerate's ``partial(new_forward, module)``)
-calls it inlined, a module's hook is a frame of its own, a callee is compiled alone after a graph
-break. :func:`check_declared_names` finds the function a wrapper calls (through its closure,
-``functools.partial`` and ``__wrapped__``) and binds the wrapper's arguments to it, and a name is
-also accepted when it resolves in a caller running on the stack.
+calls it, a module's hook or a callee after a graph break is compiled as a frame of its own, code
+after a graph break runs in a resume function. So the names are resolved where they belong: in
+the function ``torch.compile`` was given, found on the stack (:func:`_entry_scope`: Dynamo's entry
+frame holds it and this call's arguments), unwrapped and bound to the arguments. A leaf is
+declared when its object is one a declared name resolves to (:func:`is_declared`).
 """
 
 from __future__ import annotations
 
-import dis
 import functools
 import inspect
 import itertools
 import logging
-import os
-import sys
 import types
 from typing import Any, Iterable, Iterator, Optional
 
@@ -30,59 +28,137 @@ from .errors import NosyncOptionsError
 
 log = logging.getLogger("torchsync_pass")
 
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def pass_through(code: Any) -> bool:
-    """Is ``code`` a decorator's pass-through wrapper: ``wrapper(*args, **kwargs)``, or with one
-    receiver before them (``wrapper(self, *args, **kwargs)`` as diffusers wraps its models'
-    forward, ``new_forward(module, *args, **kwargs)`` as accelerate does), that passes its
-    ``*args`` on in a call?"""
-    flags = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
-    if code.co_flags & flags != flags or code.co_argcount > 1 or code.co_kwonlyargcount:
-        return False
-    return any(i.opname == "CALL_FUNCTION_EX" for i in dis.get_instructions(code))
-
 
 def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
-    """Is the leaf of user name ``name`` (``self.attn.mask``) and guard source ``source`` among the
-    declared names? ``mask`` declares ``self.mask`` (and an argument ``mask``); ``self.mask`` only
-    the module's; a global (``G[...]``) is never declared (names are arguments and their
-    attributes). In a pass-through wrapper's frame a leaf is also declared by its name in the
-    function the wrapper calls (:func:`inner_name`: ``kwargs.ids`` is ``ids`` there when that
-    function takes ``ids``, ``kw.ids`` when its own ``**kw`` gets it)."""
+    """Is the leaf of user name ``name`` (``self.attn.mask``) and guard source ``source`` (read on
+    the frame being compiled) among the declared names? Inside a compiled call: when its object is
+    one the declared names resolve to (:func:`declared_objects`). Elsewhere, by name: ``mask``
+    declares ``self.mask`` (and an argument ``mask``), ``self.mask`` only the module's. A global
+    (``G[...]``) is never declared (names are arguments and their attributes)."""
     if source.startswith("G["):
         return False
-    if name in declared or (name.startswith("self.") and name[5:] in declared):
-        return True
-    code, scope = dynamo_hooks.current_frame()
-    if code is None or not pass_through(code):
-        return False
-    return any(n in declared or (n.startswith("self.") and n[5:] in declared) for n in inner_name(name, code, scope))
-
-
-def inner_name(name: str, code: Any, scope: Any) -> list[str]:
-    """The names, in the functions the pass-through wrapper frame ``code`` may call, of the
-    wrapper's ``name`` (``kwargs.ids`` -> ``ids``, ``module.mask`` -> ``self.mask``, ``args.0`` ->
-    ``x``): the parameter the very object was bound to. Empty when no function or object is found."""
-    parts = name.split(".")
-    obj = scope.get(parts[0]) if isinstance(scope, dict) else None
-    head = 1
-    if parts[0] in _arg_names(code)[code.co_argcount:] and len(parts) > 1:  # args.0, kwargs.ids
-        head = 2
+    declared = tuple(declared)
+    objects = declared_objects(declared)
+    if objects is not None and source:
+        code, frame_locals = dynamo_hooks.current_frame()
         try:
-            obj = obj[int(parts[1])] if isinstance(obj, tuple) else obj[parts[1]]
-        except (KeyError, IndexError, TypeError, ValueError):
-            return []
+            leaf = dynamo_hooks.leaf_getter([source])(frame_locals, dynamo_hooks.current_frame_globals())[0]
+        except Exception:  # a source only Dynamo can read: by name
+            leaf = None
+        if leaf is not None:
+            return any(o is leaf for o in objects)
+    return name in declared or (name.startswith("self.") and name[5:] in declared)
+
+
+def declared_objects(declared: tuple) -> Optional[list]:
+    """The objects the declared names resolve to in this compiled call (each name in the function
+    ``torch.compile`` was given and, when the frame compiled is one of its wrappers, in that
+    frame), or None outside a compiled call."""
+    entry = _entry_scope()
+    if entry is None:
+        return None
     out = []
-    for _, bound in _called_functions(code, scope):
-        for param, v in bound.items():
-            if v is obj:
-                out.append(".".join([param, *parts[head:]]))
-            for k, x in (v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, tuple) else ()):
-                if x is obj:
-                    out.append(".".join([param, str(k), *parts[head:]]))
+    for code, scope in _scopes(entry):
+        for name in declared:
+            for path in _paths(name, _arg_names(code)):
+                obj = _resolve(path, scope)
+                if obj is not None:
+                    out.append(obj)
     return out
+
+
+def _scopes(entry: tuple) -> list[tuple[Any, dict]]:
+    """Where the names resolve: the function given to torch.compile, and the frame compiled when
+    it is a wrapper on the way to it (its own names: ``kwargs.ids``)."""
+    codes, fn_code, bound = entry
+    scopes = [(fn_code, bound)]
+    code, frame_locals = dynamo_hooks.current_frame()
+    if code is not None and isinstance(frame_locals, dict) and dynamo_hooks.code_key(code) in codes \
+            and dynamo_hooks.code_key(code) != dynamo_hooks.code_key(fn_code):
+        scopes.append((code, frame_locals))
+    return scopes
+
+
+def _entry_scope() -> Optional[tuple[set, Any, dict]]:
+    """``(codes on the way, code, arguments)`` of the function ``torch.compile`` was given, for
+    the compiled call running now: Dynamo's entry frame (:func:`_torch_private.compile_entry_call`)
+    holds the callable and this call's arguments; unwrapped (:func:`_unwrapping`) and bound to them
+    (keywords it does not take dropped: a wrapper may rename them). None when not found or they
+    do not bind."""
+    call = _torch_private.compile_entry_call()
+    if call is None:
+        return None
+    codes = set()
+    for fn, args, kwargs in _unwrapping(*call):
+        c = getattr(fn, "__code__", None)
+        if c is not None:
+            codes.add(dynamo_hooks.code_key(c))
+    if not isinstance(fn, types.FunctionType) or _opaque(fn.__code__):
+        return None
+    try:
+        sig = inspect.signature(fn, follow_wrapped=False)
+        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+            kwargs = {n: v for n, v in kwargs.items() if n in sig.parameters}
+        bound = sig.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    return codes, fn.__code__, dict(bound.arguments)
+
+
+def _unwrapping(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Iterator[tuple[Any, tuple, dict]]:
+    """Each callable a call of ``fn(*args, **kwargs)`` goes through, with the arguments it gets,
+    down to the Python function it runs: a module (its ``forward``; also torch's own methods of
+    one, ``_wrapped_call_impl``), bound methods, ``__wrapped__`` (``functools.wraps``: the same
+    arguments; on a partial only as accelerate's ``partial(new_forward, module)`` forward, whose
+    ``__wrapped__`` is the module's old forward), ``functools.partial``, a callable object (its
+    ``__call__``), torch's own wrapper that passes its arguments on to the one callable it closes
+    over."""
+    kwargs = dict(kwargs or {})
+    for _ in range(32):
+        yield fn, args, kwargs
+        call = getattr(type(fn), "__call__", None)
+        wrapped = getattr(fn, "__wrapped__", None)
+        if isinstance(fn, types.MethodType) and isinstance(fn.__self__, torch.nn.Module) \
+                and getattr(torch.nn.Module, fn.__name__, None) is fn.__func__:  # _wrapped_call_impl
+            fn = fn.__self__
+        elif isinstance(fn, types.MethodType):
+            args, fn = (fn.__self__, *args), fn.__func__
+        elif isinstance(fn, torch.nn.Module):
+            fn = fn.forward
+        elif isinstance(fn, functools.partial) and isinstance(wrapped, types.MethodType) \
+                and len(fn.args) == 1 and fn.args[0] is wrapped.__self__:  # accelerate's forward
+            fn = wrapped
+        elif isinstance(wrapped, types.FunctionType | functools.partial | types.MethodType) \
+                and not isinstance(fn, functools.partial):
+            fn = wrapped
+        elif isinstance(fn, functools.partial):
+            args, kwargs, fn = (*fn.args, *args), {**fn.keywords, **kwargs}, fn.func
+        elif isinstance(fn, types.FunctionType) and _in_torch(fn.__code__) and _opaque(fn.__code__) \
+                and len(inner := [c.cell_contents for c in fn.__closure__ or () if _is_callable_cell(c)]) == 1:
+            fn = inner[0]  # torch's own pass-on wrapper (Dynamo's wrap_inline around a no_grad forward)
+        elif not isinstance(fn, (types.FunctionType, type)) and isinstance(call, types.FunctionType):
+            args, fn = (fn, *args), call
+        else:
+            return
+
+
+def _is_callable_cell(cell: Any) -> bool:
+    try:
+        v = cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return callable(v) and not isinstance(v, type)
+
+
+def _opaque(code: Any) -> bool:
+    """Does ``code`` only pass its arguments on (``wrapper(*args, **kwargs)``, or with one receiver
+    before them): a decorator without ``functools.wraps``, which hides the function it calls?"""
+    flags = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+    return code.co_flags & flags == flags and code.co_argcount <= 1 and not code.co_kwonlyargcount
+
+
+def _in_torch(code: Any) -> bool:
+    return code is not None and code.co_filename.startswith(dynamo_hooks.TORCH_DIR)
 
 
 def _arg_names(code: Any) -> tuple:
@@ -91,64 +167,33 @@ def _arg_names(code: Any) -> tuple:
     return code.co_varnames[:n]
 
 
-def _unwrapping(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Iterator[tuple[Any, tuple, dict]]:
-    """Each callable a call of ``fn(*args, **kwargs)`` goes through, with the arguments it gets,
-    down to the Python function it runs: through bound methods, a module (its ``forward``), a
-    callable object (its ``__call__``), ``__wrapped__`` (``functools.wraps``: the same arguments;
-    also on a partial, as accelerate's forward) and ``functools.partial``."""
-    kwargs = dict(kwargs or {})
-    for _ in range(32):
-        yield fn, args, kwargs
-        call = getattr(type(fn), "__call__", None)
-        if isinstance(fn, types.MethodType):
-            args, fn = (fn.__self__, *args), fn.__func__
-        elif isinstance(fn, torch.nn.Module):
-            fn = fn.forward
-        elif isinstance(getattr(fn, "__wrapped__", None), types.FunctionType | functools.partial | types.MethodType):
-            fn = fn.__wrapped__
-        elif isinstance(fn, functools.partial):
-            args, kwargs, fn = (*fn.args, *args), {**fn.keywords, **kwargs}, fn.func
-        elif not isinstance(fn, (types.FunctionType, type)) and isinstance(call, types.FunctionType):
-            args, fn = (fn, *args), call
-        else:
-            return
-
-
-def _called_functions(code: Any, scope: Any) -> list[tuple[Any, dict]]:
-    """For a pass-through wrapper frame: ``(code, arguments)`` of each user function it may call,
-    the wrapper's arguments bound to that function's parameters (keywords it does not take
-    dropped: a decorator may rename them, as transformers' ``deprecate_kwarg``). Looked for among
-    the callables of the wrapper's closure and, when its receiver is a module, the module's
-    ``forward`` (accelerate's ``new_forward(module, *args, **kwargs)``, a plain function, replaced
-    it)."""
-    if not pass_through(code) or not isinstance(scope, dict):
-        return []
-    names = _arg_names(code)
-    args, kwargs = tuple(scope.get(names[-2], ())), scope.get(names[-1]) or {}
-    receiver = (scope.get(names[0]),) if code.co_argcount else ()
-    candidates = [(scope.get(free), (*receiver, *args)) for free in code.co_freevars]
-    if receiver and isinstance(receiver[0], torch.nn.Module):
-        candidates.append((getattr(receiver[0], "forward", None), args))
-    out = []
-    for fn, a in candidates:
-        *_, (fn, a, k) = _unwrapping(fn, a, kwargs)
-        inner = getattr(fn, "__code__", None)
-        if not isinstance(fn, types.FunctionType) or dynamo_hooks.code_key(inner) == dynamo_hooks.code_key(code) \
-                or _in_torch(inner.co_filename):
-            continue
-        try:
-            sig = inspect.signature(fn, follow_wrapped=False)
-            if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-                k = {n: v for n, v in k.items() if n in sig.parameters}
-            bound = sig.bind_partial(*a, **k)
-        except (TypeError, ValueError):
-            continue
-        out.append((inner, dict(bound.arguments)))
+def _paths(name: str, args: tuple) -> list[list[str]]:
+    """The paths ``name`` may mean in a function taking ``args``: the argument, and for a bare or
+    dotted name not starting with ``self.``, also the module's ``self.<name>``."""
+    parts = name.split(".")
+    out = [parts] if parts[0] in args else []
+    if "self" in args and parts[0] != "self":
+        out.append(["self"] + parts)
     return out
 
 
-def _in_torch(filename: str) -> bool:
-    return filename.startswith(dynamo_hooks.TORCH_DIR)
+def _item(obj: Any, part: str) -> Any:
+    """One step of a dotted name: a dict's key, a list's index, an attribute."""
+    if isinstance(obj, dict):
+        return obj[part]
+    if isinstance(obj, (list, tuple)) and part.isdigit():
+        return obj[int(part)]
+    return getattr(obj, part)
+
+
+def _resolve(path: list[str], scope: dict) -> Any:
+    obj = scope.get(path[0])
+    for part in path[1:]:
+        try:
+            obj = _item(obj, part)
+        except (AttributeError, KeyError, IndexError, TypeError):
+            return None
+    return obj if isinstance(obj, torch.Tensor) else None
 
 
 _warned: set = set()
@@ -165,65 +210,36 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
     rejected, or nothing cached). With ``strict``, raise instead (at every compile that meets it).
     Asked at each sync site and, for invariant caching, for each compiled graph.
 
-    A name may belong to the frame compiled, to the function a pass-through wrapper frame calls
-    (:func:`_called_functions`), or to a caller running inside the compiled call (a callee
-    compiled as a frame of its own after a graph break: :func:`_resolves_in_a_caller`). Not reported where the names cannot be told: a pass-through
-    wrapper whose callee is not found, torch's own frames, a module's hook (called by
-    ``nn.Module._call_impl``, not its ``forward``).
+    Checked where the names belong (:func:`_entry_scope`: the function given to torch.compile,
+    and the frame compiled when it is a wrapper on the way to it), whichever frame of the call
+    Dynamo compiles. Not reported where the function cannot be told (a decorator without
+    ``functools.wraps`` hides it, its arguments do not bind); outside a compiled call (no entry
+    found): against the frame itself, unless it is torch's own, a wrapper or a resume function.
     """
-    if not opts.invariant or code is None or dynamo_hooks.RESUME_RE.match(code.co_name):
+    if not opts.invariant or code is None:
         return
-    scopes = [] if _in_torch(code.co_filename) else [(code, frame_locals)]
-    inner = _called_functions(code, frame_locals)
-    scopes += inner
-    failed = []
+    entry = _entry_scope()
+    if entry is not None:
+        scopes = _scopes(entry)
+    elif dynamo_hooks.RESUME_RE.match(code.co_name) or _in_torch(code) or _opaque(code) \
+            or _torch_private.compile_entry_call() is not None:  # a function hidden by a wrapper
+        return
+    else:
+        scopes = [(code, frame_locals)]
+    where = scopes[0][0]
     for name in map(str, opts.invariant):
         problems = [_declared_name_problem(name, _arg_names(c), s) for c, s in scopes]
-        if problems and None not in problems and not _resolves_in_a_caller(name):
-            failed.append((name, problems[-1]))
-    if not failed or (not inner and pass_through(code)) or _is_module_hook(code):
-        return
-    where, _ = scopes[-1]
-    for name, problem in failed:
+        if None in problems:
+            continue
         args = _arg_names(where)
-        message = (f"nosync: options['invariant'] names {name!r}, but {problem} "
+        message = (f"nosync: options['invariant'] names {name!r}, but {problems[0]} "
                    f"({where.co_name} takes: {', '.join(args) or 'no arguments'})")
         if opts.strict:
             raise NosyncOptionsError(message + "; options['strict'] is True")
-        key = (code, name)
+        key = (dynamo_hooks.code_key(where), name)
         if key not in _warned:  # warned once per compiled function and name
             _warned.add(key)
             log.warning("%s", message)
-
-
-def _resolves_in_a_caller(name: str) -> bool:
-    """Does ``name`` resolve in a user frame running inside the compiled call (a caller of the frame
-    compiled, below the entry of the function ``torch.compile`` returned: not a loop that calls
-    it)? (``f_locals`` is a proxy, not a dict, from Python 3.13.)"""
-    f = sys._getframe(1)
-    while f is not None and not _torch_private.is_compile_entry(f.f_code):
-        file = f.f_code.co_filename
-        if not (_in_torch(file) or file.startswith(_OWN_DIR)) and \
-                _declared_name_problem(name, _arg_names(f.f_code), dict(f.f_locals), fallback=False) is None:
-            return True
-        f = f.f_back
-    return False
-
-
-def _is_module_hook(code: Any) -> bool:
-    """Is ``code`` a forward (pre-)hook of a module being called (``nn.Module._call_impl`` on the
-    stack runs it), compiled as a frame of its own?"""
-    call_impl = _torch_private.module_call_code()
-    key = dynamo_hooks.code_key(code)
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code is call_impl:
-            for h in _torch_private.module_hooks(f.f_locals.get("self")):
-                if any(key == dynamo_hooks.code_key(c) for fn, _, _ in _unwrapping(h)
-                       if (c := getattr(fn, "__code__", None)) is not None):
-                    return True
-        f = f.f_back
-    return False
 
 
 def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = True) -> Optional[str]:
@@ -242,12 +258,7 @@ def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = 
     obj = scope[path[0]]
     for i, part in enumerate(path[1:], 1):
         try:
-            if isinstance(obj, dict):
-                obj = obj[part]
-            elif isinstance(obj, (list, tuple)) and part.isdigit():
-                obj = obj[int(part)]
-            else:
-                obj = getattr(obj, part)
+            obj = _item(obj, part)
         except (AttributeError, KeyError, IndexError, TypeError):
             what = f"{'.'.join(path[:i])} ({type(obj).__name__}) has no attribute {part!r}"
             return what if path is parts else f"there is no argument {parts[0]!r} and {what}"
