@@ -499,3 +499,46 @@ def _step_with_tt(x, tt):
     if (tt == 2).any():
         x = x + 1
     return x
+
+
+def _solve_plus_a(A, b, x):
+    return torch.linalg.solve(A, b) + x
+
+
+def _solve_plus_b(A, b, x):  # the same cone in another function
+    return torch.linalg.solve(A, b) + x
+
+
+def test_tables_of_the_same_cone_with_other_declared_leaves():
+    """The tabulated ops' shared memo kept the declared flags of the graph that made it first: a
+    second function with the same cone and declared inference tensors raised at call time
+    ('Inference tensors do not track version counter') (found by review 12)."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    torch.manual_seed(0)
+    A, b = torch.randn(3, 3) + 3 * torch.eye(3), torch.randn(3)
+    with torch.inference_mode():
+        Ai, bi = A.clone(), b.clone()
+    f_a = torch.compile(_solve_plus_a, backend="nosync", options=EAGER)
+    f_b = torch.compile(_solve_plus_b, backend="nosync", options={**EAGER, "invariant": ["A", "b"]})
+    with torch.no_grad():
+        assert_bitwise(f_a(A, b, torch.ones(3)), _solve_plus_a(A, b, torch.ones(3)))
+        assert_bitwise(f_b(Ai, bi, torch.ones(3)), _solve_plus_b(Ai, bi, torch.ones(3)))
+
+
+def _write_then_solve(A, b, x):
+    x.mul_(2.0)  # the step writes an argument in place
+    return torch.linalg.solve(A, b) + 1.0  # reads back inside: tabulated
+
+
+def test_table_not_served_when_a_written_argument_aliases_its_input():
+    """A tabulated op's table was looked up before the graph ran: an argument the step writes,
+    passed as a view of the table's input, changed the input eager reads (found by review 12)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    A0, b = torch.randn(3, 3) + 3 * torch.eye(3), torch.randn(3)
+    f = torch.compile(_write_then_solve, backend="nosync", options=EAGER)
+    Af, Ae = A0.clone(), A0.clone()
+    for make in (lambda A: torch.zeros(3), lambda A: torch.zeros(3), lambda A: A.view(9)[:3]):
+        assert_bitwise(f(Af, b, make(Af)), _write_then_solve(Ae, b, make(Ae)))
+        assert torch.equal(Af, Ae)

@@ -188,9 +188,12 @@ class TabulatedOp:
         self.module_index_pos = module_index_pos
         self.declared = declared
         self.decision = decision
-        shared = _SHARED.get(fingerprint)
+        # NOTE: keyed by the declared flags too: the memo checks a declared leaf by identity only
+        # (an inference tensor has no version counter), another graph's leaves by their versions
+        key = (fingerprint, declared)
+        shared = _SHARED.get(key)
         if shared is None:
-            shared = _SHARED[fingerprint] = _Tables()
+            shared = _SHARED[key] = _Tables()
         self.shared = shared
 
     def _evaluate(self, leaves: tuple, i: Optional[int]) -> Any:
@@ -366,12 +369,26 @@ def _batch_for(module: fx.GraphModule, op: Callable, example: Any) -> Optional[_
 class TabulatedStep:
     """Calls the step graph with this call's value of every tabulated op, or the original graph."""
 
-    def __init__(self, original: Callable, step: Callable, ops: list[TabulatedOp]) -> None:
+    def __init__(self, original: Callable, step: Callable, ops: list[TabulatedOp], written: tuple[int, ...]) -> None:
         self.original = original
         self.step = step
         self.ops = ops
+        self.written = written
+        self.leaf_pos = tuple(sorted({p for op in ops for p in op.leaf_pos}))
+
+    def aliased(self, args: tuple) -> bool:
+        """Does an input the graph writes share memory with a table's leaf on this call (a view of
+        it passed as that argument)? The table is looked up before the graph runs, eager reads
+        the leaf after the write."""
+        try:
+            return dynamo_hooks.shares_storage([args[w] for w in self.written], [args[p] for p in self.leaf_pos])
+        except Exception:
+            return True  # cannot tell: the original graph is right either way
 
     def __call__(self, *args: Any) -> Any:
+        if self.written and self.aliased(args):
+            counters()["table_fallbacks"] += 1
+            return self.original(*args)
         extra = []
         for op in self.ops:
             ok, value = op.lookup(args)
@@ -390,9 +407,10 @@ class Tabulation:
     ops: list[TabulatedOp] = field(default_factory=list)
     examples: list = field(default_factory=list)  # example values of the new placeholders
     decisions: list[Decision] = field(default_factory=list)
+    written: tuple[int, ...] = ()  # positions of the inputs the graph writes in place
 
     def wrap(self, original: Callable, compiled_step: Callable) -> Callable:
-        return TabulatedStep(original, compiled_step, self.ops) if self.step is not None else original
+        return TabulatedStep(original, compiled_step, self.ops, self.written) if self.step is not None else original
 
 
 def record_kept(gm: fx.GraphModule, reason: Reason, detail: str, compile_id: Optional[str]) -> None:
@@ -491,6 +509,8 @@ def tabulate(gm: fx.GraphModule, opts: Any, compile_id: Optional[str]) -> Tabula
         chosen.append((node, op, result, index, cone_nodes))
     if chosen:
         _rewrite(gm, chosen, placeholders, leaves, opts, compile_id, out)
+        written = cone.written_storages(graph)
+        out.written = tuple(i for i, p in enumerate(placeholders) if cone.storage_of(p) in written)
     for d in out.decisions:
         record_decision(d)
     return out
