@@ -32,22 +32,23 @@ log = logging.getLogger("torchsync_pass")
 def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
     """Is the leaf of user name ``name`` (``self.attn.mask``) and guard source ``source`` (read on
     the frame being compiled) among the declared names? Inside a compiled call: when its object is
-    one the declared names resolve to (:func:`declared_objects`). Elsewhere, by name: ``mask``
+    one the declared names resolve to (:func:`declared_objects`); nothing is when the function
+    cannot be told (a decorator without ``functools.wraps`` hides it). Elsewhere, by name: ``mask``
     declares ``self.mask`` (and an argument ``mask``), ``self.mask`` only the module's. A global
     (``G[...]``) is never declared (names are arguments and their attributes)."""
     if source.startswith("G["):
         return False
     declared = tuple(declared)
+    if _torch_private.compile_entry_call() is None:  # not inside a compiled call
+        return name in declared or (name.startswith("self.") and name[5:] in declared)
     objects = declared_objects(declared)
-    if objects is not None and source:
-        code, frame_locals = dynamo_hooks.current_frame()
-        try:
-            leaf = dynamo_hooks.leaf_getter([source])(frame_locals, dynamo_hooks.current_frame_globals())[0]
-        except Exception:  # a source only Dynamo can read: by name
-            leaf = None
-        if leaf is not None:
-            return any(o is leaf for o in objects)
-    return name in declared or (name.startswith("self.") and name[5:] in declared)
+    if objects is None or not source:  # the function is hidden: its names cannot be told
+        return False
+    try:
+        leaf = dynamo_hooks.leaf_getter([source])(dynamo_hooks.current_frame()[1], dynamo_hooks.current_frame_globals())[0]
+    except Exception:  # a source only Dynamo can read: not declared (a sync, never a stale value)
+        return False
+    return any(o is leaf for o in objects)
 
 
 def declared_objects(declared: tuple) -> Optional[list]:
