@@ -542,3 +542,38 @@ def test_table_not_served_when_a_written_argument_aliases_its_input():
     for make in (lambda A: torch.zeros(3), lambda A: torch.zeros(3), lambda A: A.view(9)[:3]):
         assert_bitwise(f(Af, b, make(Af)), _write_then_solve(Ae, b, make(Ae)))
         assert torch.equal(Af, Ae)
+
+
+def _helper_of_two(t):
+    torch._dynamo.graph_break()
+    return t * 2.0 if (t > 0).any() else t * 0.0
+
+
+def _calls_helper_twice(x, mask):
+    return _helper_of_two(mask) + _helper_of_two(x)
+
+
+def test_callee_called_with_a_declared_then_an_undeclared_tensor():
+    """A callee compiled alone was declared by the identity of its first call's argument (the
+    declared mask) and its compiled code reused for the undeclared x: x's value, trusted by
+    identity, went stale after in-place writes (found by review 12, round 3)."""
+    with torch.inference_mode():
+        x, mask = torch.ones(3), torch.ones(3)
+    g = _compile(_calls_helper_twice, ["mask"])
+    _stale_under_writes(lambda: g(x, mask), lambda: _calls_helper_twice(x, mask), x.fill_)
+
+
+def _break_then_read_declared(x, mask):
+    y = x * 2
+    torch._dynamo.graph_break()
+    return y + 1 if (mask > 0).any() else y - 1  # in the resume function
+
+
+def test_declared_argument_read_after_a_graph_break_is_declared():
+    """In the top-level function's resume function an argument it never assigns is still the
+    declared one: a declared inference tensor is hoisted there."""
+    with torch.inference_mode():
+        x, mask = torch.ones(3), torch.ones(3)
+    g = _compile(_break_then_read_declared, ["mask"])
+    _stale_under_writes(lambda: g(x, mask), lambda: _break_then_read_declared(x, mask), x.fill_)
+    assert _hoisted()

@@ -14,10 +14,12 @@ declared when its object is one a declared name resolves to (:func:`is_declared`
 
 from __future__ import annotations
 
+import dis
 import functools
 import inspect
 import itertools
 import logging
+import re
 import types
 from typing import Any, Iterable, Iterator, Optional
 
@@ -41,14 +43,34 @@ def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
     declared = tuple(declared)
     if _torch_private.compile_entry_call() is None:  # not inside a compiled call
         return name in declared or (name.startswith("self.") and name[5:] in declared)
+    entry = _entry_scope()
+    if entry is None or not source or not _stands_for_entry(dynamo_hooks.current_frame()[0], entry, source):
+        return False  # the function is hidden, or the frame is a callee's, a hook's: not declared
     objects = declared_objects(declared)
-    if objects is None or not source:  # the function is hidden: its names cannot be told
-        return False
     try:
         leaf = dynamo_hooks.leaf_getter([source])(dynamo_hooks.current_frame()[1], dynamo_hooks.current_frame_globals())[0]
     except Exception:  # a source only Dynamo can read: not declared (a sync, never a stale value)
         return False
     return any(o is leaf for o in objects)
+
+
+def _stands_for_entry(code: Any, entry: tuple, source: str) -> bool:
+    """Does the leaf of ``source`` in the frame ``code`` stand for the same path of the function
+    given to torch.compile on every call? Yes in that function's frame and its wrappers' on the way;
+    in its resume function (the code after a graph break) for an argument the function never
+    assigns. Not in a callee or hook compiled as a frame of its own: it may be called with other
+    objects (``helper(mask)`` then ``helper(x)``), and a decision by identity would outlive them."""
+    codes, fn_code, _ = entry
+    if code is None:
+        return False
+    if dynamo_hooks.code_key(code) in codes:
+        return True
+    resume = dynamo_hooks.RESUME_RE.match(code.co_name)
+    root = re.match(r"L\['([^']+)'\]", source)
+    if not resume or root is None or resume.group(1) != fn_code.co_name or code.co_filename != fn_code.co_filename:
+        return False
+    stored = {i.argval for i in dis.get_instructions(fn_code) if i.opname in ("STORE_FAST", "DELETE_FAST", "STORE_DEREF")}
+    return root.group(1) in _arg_names(fn_code) and root.group(1) not in stored
 
 
 def declared_objects(declared: tuple) -> Optional[list]:
