@@ -14,6 +14,7 @@ declared when its object is one a declared name resolves to (:func:`is_declared`
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import functools
 import inspect
@@ -32,100 +33,141 @@ log = logging.getLogger("torchsync_pass")
 
 
 def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
-    """Is the leaf of user name ``name`` (``self.attn.mask``) and guard source ``source`` (read on
-    the frame being compiled) among the declared names? Inside a compiled call: when its object is
-    one the declared names resolve to (:func:`declared_objects`); nothing is when the function
-    cannot be told (a decorator without ``functools.wraps`` hides it). Elsewhere, by name: ``mask``
-    declares ``self.mask`` (and an argument ``mask``), ``self.mask`` only the module's. A global
-    (``G[...]``) is never declared (names are arguments and their attributes)."""
+    """Is the leaf of user name ``name`` (``self.attn.mask``, the dotted form of its guard source
+    ``source``) among the declared names? By path, in the namespace of the function given to
+    torch.compile (``mask`` declares an argument ``mask`` and ``self.mask``, ``self.mask`` only the
+    module's): in that function's frame and its resume function's (for an argument it never
+    assigns), and in a wrapper's on the way to it through the argument the wrapper hands on
+    (:func:`_translate`; or its own path, ``kwargs.ids``). Nothing in a frame Dynamo compiles on its
+    own for a callee or hook (it may be called with other objects), nor where the function is
+    hidden (a decorator without ``functools.wraps``). A global (``G[...]``) is never declared."""
     if source.startswith("G["):
         return False
     declared = tuple(declared)
     if _torch_private.compile_entry_call() is None:  # not inside a compiled call
-        return name in declared or (name.startswith("self.") and name[5:] in declared)
+        return _by_name(name, declared)
     entry = _entry_scope()
-    if entry is None or not source or not _stands_for_entry(dynamo_hooks.current_frame()[0], entry, source):
-        return False  # the function is hidden, or the frame is a callee's, a hook's: not declared
-    objects = declared_objects(declared)
-    try:
-        leaf = dynamo_hooks.leaf_getter([source])(dynamo_hooks.current_frame()[1], dynamo_hooks.current_frame_globals())[0]
-    except Exception:  # a source only Dynamo can read: not declared (a sync, never a stale value)
+    code = dynamo_hooks.current_frame()[0]
+    if entry is None or code is None:
         return False
-    return any(o is leaf for o in objects)
-
-
-def _stands_for_entry(code: Any, entry: tuple, source: str) -> bool:
-    """Does the leaf of ``source`` in the frame ``code`` stand for the same path of the function
-    given to torch.compile on every call? Yes in that function's frame and its wrappers' on the way;
-    in its resume function (the code after a graph break) for an argument the function never
-    assigns. Not in a callee or hook compiled as a frame of its own: it may be called with other
-    objects (``helper(mask)`` then ``helper(x)``), and a decision by identity would outlive them."""
-    codes, fn_code, _ = entry
-    if code is None:
+    key = dynamo_hooks.code_key(code)
+    if key == dynamo_hooks.code_key(entry.code) or _resume_of(code, entry.code, name):
+        return _by_name(name, declared)
+    level = entry.levels.get(key)
+    if level is None:
         return False
-    if dynamo_hooks.code_key(code) in codes:
+    if name in declared:
         return True
-    resume = dynamo_hooks.RESUME_RE.match(code.co_name)
-    root = re.match(r"L\['([^']+)'\]", source)
-    if not resume or root is None or resume.group(1) != fn_code.co_name or code.co_filename != fn_code.co_filename:
+    path = _translate(name.split("."), level, entry.structural)
+    return path is not None and _by_name(".".join(path), declared)
+
+
+def _by_name(name: str, declared: tuple) -> bool:
+    return name in declared or (name.startswith("self.") and name[5:] in declared)
+
+
+def _resume_of(code: Any, fn_code: Any, name: str) -> bool:
+    """Is ``code`` the resume function of ``fn_code`` (the code after a graph break) and the root
+    of ``name`` an argument ``fn_code`` never assigns (the same object there on every call)?"""
+    resume = re.match(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$", code.co_name)
+    if not resume or resume.group(1) != fn_code.co_name or code.co_filename != fn_code.co_filename:
+        return False
+    lines = [n for _, _, n in fn_code.co_lines() if n is not None]
+    if not lines or not min(lines) <= int(resume.group(2)) <= max(lines):  # another function's
         return False
     stored = {i.argval for i in dis.get_instructions(fn_code) if i.opname in ("STORE_FAST", "DELETE_FAST", "STORE_DEREF")}
-    return root.group(1) in _arg_names(fn_code) and root.group(1) not in stored
+    root = name.split(".")[0]
+    return root in _arg_names(fn_code) and root not in stored
 
 
-def declared_objects(declared: tuple) -> Optional[list]:
-    """The objects the declared names resolve to in this compiled call (each name in the function
-    ``torch.compile`` was given and, when the frame compiled is one of its wrappers, in that
-    frame), or None outside a compiled call."""
-    entry = _entry_scope()
-    if entry is None:
+def _translate(parts: list[str], level: dict, final: dict) -> Optional[list[str]]:
+    """A wrapper's path (``kwargs.ids``, ``args.0``, ``self.mask``) as the path of the function it
+    calls, through the argument slot it hands on (:class:`_Slot`, the same every call)."""
+    v, rest = level.get(parts[0]), parts[1:]
+    if isinstance(v, tuple) and rest and rest[0].isdigit():
+        v, rest = (v[int(rest[0])] if int(rest[0]) < len(v) else None), rest[1:]
+    elif isinstance(v, dict) and rest:
+        v, rest = v.get(rest[0]), rest[1:]
+    if v is None:
         return None
-    out = []
-    for code, scope in _scopes(entry):
-        for name in declared:
-            for path in _paths(name, _arg_names(code)):
-                obj = _resolve(path, scope)
-                if obj is not None:
-                    out.append(obj)
-    return out
+    for q, w in final.items():
+        if w is v:
+            return [q, *rest]
+        for k, x in (w.items() if isinstance(w, dict) else enumerate(w) if isinstance(w, tuple) else ()):
+            if x is v:
+                return [q, str(k), *rest]
+    return None
 
 
-def _scopes(entry: tuple) -> list[tuple[Any, dict]]:
+def _scopes(entry: "_Entry") -> list[tuple[Any, dict]]:
     """Where the names resolve: the function given to torch.compile, and the frame compiled when
     it is a wrapper on the way to it (its own names: ``kwargs.ids``)."""
-    codes, fn_code, bound = entry
-    scopes = [(fn_code, bound)]
+    scopes = [(entry.code, entry.real)]
     code, frame_locals = dynamo_hooks.current_frame()
-    if code is not None and isinstance(frame_locals, dict) and dynamo_hooks.code_key(code) in codes \
-            and dynamo_hooks.code_key(code) != dynamo_hooks.code_key(fn_code):
+    if code is not None and isinstance(frame_locals, dict) and dynamo_hooks.code_key(code) in entry.levels \
+            and dynamo_hooks.code_key(code) != dynamo_hooks.code_key(entry.code):
         scopes.append((code, frame_locals))
     return scopes
 
 
-def _entry_scope() -> Optional[tuple[set, Any, dict]]:
-    """``(codes on the way, code, arguments)`` of the function ``torch.compile`` was given, for
-    the compiled call running now: Dynamo's entry frame (:func:`_torch_private.compile_entry_call`)
-    holds the callable and this call's arguments; unwrapped (:func:`_unwrapping`) and bound to them
-    (keywords it does not take dropped: a wrapper may rename them). None when not found or they
-    do not bind."""
-    call = _torch_private.compile_entry_call()
-    if call is None:
-        return None
-    codes = set()
-    for fn, args, kwargs in _unwrapping(*call):
-        c = getattr(fn, "__code__", None)
-        if c is not None:
-            codes.add(dynamo_hooks.code_key(c))
-    if not isinstance(fn, types.FunctionType) or _opaque(fn.__code__):
-        return None
+class _Slot:
+    """Stands for one argument of the compiled call while the call is bound by position and
+    keyword alone (which parameter of each function on the way gets it)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+
+@dataclasses.dataclass
+class _Entry:
+    code: Any  # of the function given to torch.compile, unwrapped
+    real: dict  # its parameters -> this call's arguments
+    structural: dict  # its parameters -> _Slot (or an object the wrappers add: a bound self)
+    levels: dict  # code_key of each function on the way -> its parameters -> _Slot
+
+
+def _bind(fn: Any, args: tuple, kwargs: dict) -> Optional[dict]:
     try:
         sig = inspect.signature(fn, follow_wrapped=False)
         if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
             kwargs = {n: v for n, v in kwargs.items() if n in sig.parameters}
-        bound = sig.bind_partial(*args, **kwargs)
+        return dict(sig.bind_partial(*args, **kwargs).arguments)
     except (TypeError, ValueError):
         return None
-    return codes, fn.__code__, dict(bound.arguments)
+
+
+def _fill(v: Any, args: tuple, kwargs: dict) -> Any:
+    if isinstance(v, _Slot):
+        return args[v.key] if isinstance(v.key, int) else kwargs[v.key]
+    if isinstance(v, tuple):
+        return tuple(_fill(x, args, kwargs) for x in v)
+    if isinstance(v, dict):
+        return {k: _fill(x, args, kwargs) for k, x in v.items()}
+    return v
+
+
+def _entry_scope() -> Optional[_Entry]:
+    """The function ``torch.compile`` was given, for the compiled call running now: Dynamo's entry
+    frame (:func:`_torch_private.compile_entry_call`) holds the callable and this call's
+    arguments; unwrapped (:func:`_unwrapping`) and bound to them (keywords it does not take
+    dropped: a wrapper may rename them). None when not found, hidden or they do not bind."""
+    call = _torch_private.compile_entry_call()
+    if call is None:
+        return None
+    fn, args, kwargs = call
+    slots = tuple(_Slot(i) for i in range(len(args))), {k: _Slot(k) for k in kwargs}
+    levels = {}
+    for fn, a, k in _unwrapping(fn, *slots):
+        if isinstance(fn, types.FunctionType) and (bound := _bind(fn, a, k)) is not None:
+            levels[dynamo_hooks.code_key(fn.__code__)] = bound
+    if not isinstance(fn, types.FunctionType) or _opaque(fn):
+        return None
+    structural = levels.get(dynamo_hooks.code_key(fn.__code__))
+    if structural is None:
+        return None
+    return _Entry(fn.__code__, {p: _fill(v, args, kwargs) for p, v in structural.items()}, structural, levels)
 
 
 def _unwrapping(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Iterator[tuple[Any, tuple, dict]]:
@@ -156,7 +198,7 @@ def _unwrapping(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Ite
             fn = wrapped
         elif isinstance(fn, functools.partial):
             args, kwargs, fn = (*fn.args, *args), {**fn.keywords, **kwargs}, fn.func
-        elif isinstance(fn, types.FunctionType) and _in_torch(fn.__code__) and _opaque(fn.__code__) \
+        elif isinstance(fn, types.FunctionType) and _in_torch(fn.__code__) and _opaque(fn) \
                 and len(inner := [c.cell_contents for c in fn.__closure__ or () if _is_callable_cell(c)]) == 1:
             fn = inner[0]  # torch's own pass-on wrapper (Dynamo's wrap_inline around a no_grad forward)
         elif not isinstance(fn, (types.FunctionType, type)) and isinstance(call, types.FunctionType):
@@ -173,9 +215,15 @@ def _is_callable_cell(cell: Any) -> bool:
     return callable(v) and not isinstance(v, type)
 
 
-def _opaque(code: Any) -> bool:
-    """Does ``code`` only pass its arguments on (``wrapper(*args, **kwargs)``, or with one receiver
-    before them): a decorator without ``functools.wraps``, which hides the function it calls?"""
+def _opaque(fn: Any) -> bool:
+    """Does ``fn`` only pass its arguments on (``inner(*args, **kwargs)``, or with one receiver
+    before them) to a callable it closes over: a decorator without ``functools.wraps``, which hides
+    the function it calls? (A function of one's own taking ``(self, *args, **kwargs)`` is not.)"""
+    return _pass_on_shape(fn.__code__) and any(_is_callable_cell(c) for c in fn.__closure__ or ())
+
+
+def _pass_on_shape(code: Any) -> bool:
+    """``(*args, **kwargs)``, or with one receiver before them, nothing else."""
     flags = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
     return code.co_flags & flags == flags and code.co_argcount <= 1 and not code.co_kwonlyargcount
 
@@ -244,7 +292,7 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
     entry = _entry_scope()
     if entry is not None:
         scopes = _scopes(entry)
-    elif dynamo_hooks.RESUME_RE.match(code.co_name) or _in_torch(code) or _opaque(code) \
+    elif dynamo_hooks.RESUME_RE.match(code.co_name) or _in_torch(code) or _pass_on_shape(code) \
             or _torch_private.compile_entry_call() is not None:  # a function hidden by a wrapper
         return
     else:
