@@ -633,3 +633,30 @@ def test_typo_reported_in_a_forward_of_ones_own_taking_args_and_kwargs():
         for _ in range(2):
             assert_bitwise(g(x, mask=mask), m(x, mask=mask))
     assert _hoisted()
+
+
+def _outer_rebinds(x, mask):
+    def swap():
+        nonlocal mask
+        mask = x  # rebinds the argument from a closure
+    swap()
+    torch._dynamo.graph_break()
+    return x * 2.0 if (mask > 0).any() else x * 3.0  # mask is x here
+
+
+def _outer_with_same_named_helper(x, mask):
+    def _outer_with_same_named_helper(mask):  # a nested function of the same name
+        torch._dynamo.graph_break()
+        return mask * 2.0 if (mask > 0).any() else mask * 0.0
+    return _outer_with_same_named_helper(x)
+
+
+@pytest.mark.parametrize("fn", [_outer_rebinds, _outer_with_same_named_helper])
+def test_resume_function_of_a_rebound_or_nested_name_is_not_declared(fn):
+    """A resume function counted as the compiled function's for an argument a closure rebinds
+    (nonlocal), and for a nested function of the same name: the caller's undeclared x was
+    declared and went stale (found by review 12, round 5)."""
+    with torch.inference_mode():
+        x, mask = torch.ones(3), torch.ones(3)
+    g = _compile(fn, ["mask"])
+    _stale_under_writes(lambda: g(x, mask), lambda: fn(x, mask), x.fill_)

@@ -72,12 +72,18 @@ def _resume_of(code: Any, fn_code: Any, name: str) -> bool:
     resume = re.match(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$", code.co_name)
     if not resume or resume.group(1) != fn_code.co_name or code.co_filename != fn_code.co_filename:
         return False
-    lines = [n for _, _, n in fn_code.co_lines() if n is not None]
-    if not lines or not min(lines) <= int(resume.group(2)) <= max(lines):  # another function's
-        return False
+    line = int(resume.group(2))
+    if not _spans(fn_code, line) or any(_spans(c, line) for c in fn_code.co_consts if isinstance(c, types.CodeType)):
+        return False  # another function's, or a nested function's of the same name
     stored = {i.argval for i in dis.get_instructions(fn_code) if i.opname in ("STORE_FAST", "DELETE_FAST", "STORE_DEREF")}
     root = name.split(".")[0]
-    return root in _arg_names(fn_code) and root not in stored
+    # (an argument a closure captures may be rebound by it: ``nonlocal mask``)
+    return root in _arg_names(fn_code) and root not in stored and root not in fn_code.co_cellvars
+
+
+def _spans(code: Any, line: int) -> bool:
+    lines = [n for _, _, n in code.co_lines() if n is not None]
+    return bool(lines) and min(lines) <= line <= max(lines)
 
 
 def _translate(parts: list[str], level: dict, final: dict) -> Optional[list[str]]:
@@ -173,8 +179,8 @@ def _entry_scope() -> Optional[_Entry]:
 def _unwrapping(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Iterator[tuple[Any, tuple, dict]]:
     """Each callable a call of ``fn(*args, **kwargs)`` goes through, with the arguments it gets,
     down to the Python function it runs: a module (its ``forward``; also torch's own methods of
-    one, ``_wrapped_call_impl``), bound methods, ``__wrapped__`` (``functools.wraps``: the same
-    arguments; on a partial only as accelerate's ``partial(new_forward, module)`` forward, whose
+    one, ``_wrapped_call_impl``), bound methods, ``__wrapped__`` (``functools.wraps``, where the
+    wrapper passes its ``*args, **kwargs`` on: :func:`_passes_on`; on a partial only as accelerate's ``partial(new_forward, module)`` forward, whose
     ``__wrapped__`` is the module's old forward), ``functools.partial``, a callable object (its
     ``__call__``), torch's own wrapper that passes its arguments on to the one callable it closes
     over."""
@@ -194,7 +200,7 @@ def _unwrapping(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Ite
                 and len(fn.args) == 1 and fn.args[0] is wrapped.__self__:  # accelerate's forward
             fn = wrapped
         elif isinstance(wrapped, types.FunctionType | functools.partial | types.MethodType) \
-                and not isinstance(fn, functools.partial):
+                and not isinstance(fn, functools.partial) and _passes_on(fn):
             fn = wrapped
         elif isinstance(fn, functools.partial):
             args, kwargs, fn = (*fn.args, *args), {**fn.keywords, **kwargs}, fn.func
@@ -220,6 +226,16 @@ def _opaque(fn: Any) -> bool:
     before them) to a callable it closes over: a decorator without ``functools.wraps``, which hides
     the function it calls? (A function of one's own taking ``(self, *args, **kwargs)`` is not.)"""
     return _pass_on_shape(fn.__code__) and any(_is_callable_cell(c) for c in fn.__closure__ or ())
+
+
+def _passes_on(fn: Any) -> bool:
+    """Does the function ``fn`` (with a ``__wrapped__``) hand its arguments on unchanged: shaped
+    ``(*args, **kwargs)`` (or with one receiver) and calling with them? A ``functools.wraps``
+    wrapper that takes its own parameters (``w(a, b)``, which may call ``fn(b, a)``) is the
+    function the names belong to."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and _pass_on_shape(code) and \
+        any(i.opname == "CALL_FUNCTION_EX" for i in dis.get_instructions(code))
 
 
 def _pass_on_shape(code: Any) -> bool:
