@@ -660,3 +660,29 @@ def test_resume_function_of_a_rebound_or_nested_name_is_not_declared(fn):
         x, mask = torch.ones(3), torch.ones(3)
     g = _compile(fn, ["mask"])
     _stale_under_writes(lambda: g(x, mask), lambda: fn(x, mask), x.fill_)
+
+
+class _Tables:
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.A = torch.randn(5, 3, 3, dtype=torch.float64) + 3 * torch.eye(3, dtype=torch.float64)
+        self.b = torch.randn(5, 3, dtype=torch.float64)
+
+
+def _data_write_then_table(s, i, x):
+    x.data.add_(1)  # a write that does not move the version counter
+    return torch.linalg.solve(s.A[i], s.b[i]) + x.sum()
+
+
+def test_table_forgotten_after_a_call_whose_hidden_write_aliases_its_input():
+    """A call where a written argument aliased a table's input ran the original graph but kept the
+    table: the write (through .data) left the input's version as it was, and the next calls were
+    served the table from before it (found by review 12, round 7)."""
+    torch._dynamo.reset()
+    g = torch.compile(_data_write_then_table, backend="nosync", options=EAGER)
+    sc, se = _Tables(), _Tables()
+    for k in range(5):
+        xc = sc.A[3, 0] if k == 2 else torch.zeros(3, dtype=torch.float64)
+        xe = se.A[3, 0] if k == 2 else torch.zeros(3, dtype=torch.float64)
+        assert_bitwise(g(sc, 3, xc), _data_write_then_table(se, 3, xe))
+

@@ -932,6 +932,11 @@ class SiteCheck:
                 f"(now {_torch_private.fp32_precisions()})")
 
     def _fail_aliased(self) -> bool:
+        # NOTE: the write may not move the leaf's version (through .data, a wrapper subclass): the
+        # values memoised from the leaf, and every entry's fast path (the epoch), are forgotten
+        self.cone.memos.clear()
+        self.cone.last_miss = None
+        _DEMOTIONS[0] += 1
         return self._fail("an argument the graph writes in place shares memory with a hoisted leaf")
 
     def _fail_demoted(self) -> bool:
@@ -1029,7 +1034,7 @@ class SiteCheck:
             "    except Exception:",
             f"        return {p}resolve_failed() or {p}failed()",
             f"    if {p}written.getter is not None and {p}written.alias(L, G):",
-            f"        return {p}first._fail_aliased() or {p}failed()",
+            f"        return {p}aliased_call() or {p}failed()",
             f"    {p}refs = {p}last[0]",
             f"    if ({p}refs is not None and {p}last[3] == {p}demotions[0]",
             "            and " + same_call_expr(names, declared, f"{p}refs", f"{p}last[1]") + "):",
@@ -1041,7 +1046,15 @@ class SiteCheck:
             "        return True",
             f"    return {p}slow(L, G, {leaves})",
         ]
+        def aliased_call() -> bool:  # every cone of the entry: see _fail_aliased
+            for chk in checks[1:]:
+                chk.cone.memos.clear()
+                chk.cone.last_miss = None
+            last[0] = None
+            return first._fail_aliased()
+
         ours = dict(first=first, resolve_failed=resolve_failed, ran=ran, failed=failed, written=written,
+                    aliased_call=aliased_call,
                     last=last, book=book, slow=slow, demotions=_DEMOTIONS, counters=counters,
                     threads=checks[0].bits[0], get_num_threads=torch.get_num_threads,
                     entry_check=(_torch_private.snapshot_for_context(entry).check if entry is not None else None))

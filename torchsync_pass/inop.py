@@ -388,6 +388,8 @@ class TabulatedStep:
     def __call__(self, *args: Any) -> Any:
         if self.written and self.aliased(args):
             counters()["table_fallbacks"] += 1
+            for op in self.ops:  # the write may not move the input's version (.data, a subclass)
+                op.shared.memos.clear()
             return self.original(*args)
         extra = []
         for op in self.ops:

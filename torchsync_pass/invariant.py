@@ -401,6 +401,9 @@ class InvariantRunner:
 
     def run_whole(self, args: tuple) -> Any:
         counters()["invariant_aliased_calls"] += 1
+        # the write may not move the leaf's version (through .data, a wrapper subclass): forget
+        # the values computed from it
+        self.memos, self.last = {}, None
         return self._whole_fn(*args)
 
     def miss(self, args: tuple) -> Any:
