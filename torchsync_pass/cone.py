@@ -654,6 +654,12 @@ def written_storages(graph: fx.Graph) -> set[int]:
     return written
 
 
+def written_inputs(graph: fx.Graph) -> tuple[int, ...]:
+    """The positions of the tensor placeholders whose memory ``graph`` writes in place."""
+    written = written_storages(graph)
+    return tuple(i for i, p in enumerate(graph.find_nodes(op="placeholder")) if storage_of(p) in written)
+
+
 def hidden_writes_to_hoisted(graph: fx.Graph) -> list[tuple[Any, str]]:
     """``(owner, what)`` for each hoisted leaf that an op of the whole graph writes without bumping
     its version counter (a batch norm in training mode *after* the sync).

@@ -696,6 +696,15 @@ def shares_storage(these: Any, those: Any) -> bool:
     return any(p in ptrs for t in these for p in _storage_ptrs(t))
 
 
+def may_share_storage(these: Any, those: Any) -> bool:
+    """:func:`shares_storage`, True where it cannot tell (a caller then takes the path that is right
+    either way: the unsplit graph, a failed guard)."""
+    try:
+        return shares_storage(these, those)
+    except Exception:
+        return True
+
+
 def _storage_ptrs(t: Any, depth: int = 0) -> list[int]:
     if not isinstance(t, torch.Tensor):
         return []

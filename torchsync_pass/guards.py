@@ -728,10 +728,10 @@ class WrittenInputs:
             return False
         try:
             values = self.getter(L, G)
-            return any(dynamo_hooks.shares_storage((values[w],), [values[i] for i in others])
-                       for w, others in self.pairs)
         except Exception:
             return True  # cannot tell: fail the guard (a recompile), never a stale value
+        return any(dynamo_hooks.may_share_storage((values[w],), [values[i] for i in others])
+                   for w, others in self.pairs)
 
 
 _written_by_compile: "weakref.WeakValueDictionary[Any, WrittenInputs]" = weakref.WeakValueDictionary()

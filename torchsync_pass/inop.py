@@ -380,10 +380,7 @@ class TabulatedStep:
         """Does an input the graph writes share memory with a table's leaf on this call (a view of
         it passed as that argument)? The table is looked up before the graph runs, eager reads
         the leaf after the write."""
-        try:
-            return dynamo_hooks.shares_storage([args[w] for w in self.written], [args[p] for p in self.leaf_pos])
-        except Exception:
-            return True  # cannot tell: the original graph is right either way
+        return dynamo_hooks.may_share_storage([args[w] for w in self.written], [args[p] for p in self.leaf_pos])
 
     def __call__(self, *args: Any) -> Any:
         if self.written and self.aliased(args):
@@ -511,8 +508,7 @@ def tabulate(gm: fx.GraphModule, opts: Any, compile_id: Optional[str]) -> Tabula
         chosen.append((node, op, result, index, cone_nodes))
     if chosen:
         _rewrite(gm, chosen, placeholders, leaves, opts, compile_id, out)
-        written = cone.written_storages(graph)
-        out.written = tuple(i for i, p in enumerate(placeholders) if cone.storage_of(p) in written)
+        out.written = cone.written_inputs(graph)
     for d in out.decisions:
         record_decision(d)
     return out

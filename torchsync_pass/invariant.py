@@ -140,13 +140,6 @@ def guarded(n: fx.Node) -> bool:
     return bool(n.meta.get(cone.HOISTED_LEAF_META))
 
 
-def _written_inputs(graph: fx.Graph) -> tuple[int, ...]:
-    """The positions of the tensor placeholders whose memory ``graph`` writes in place."""
-    written = cone.written_storages(graph)
-    return tuple(i for i, p in enumerate(graph.find_nodes(op="placeholder"))
-                 if cone.storage_of(p) in written)
-
-
 def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx.Node], dict[fx.Node, str], set[int]]:
     """(invariant nodes, leaf names, leaf storages)."""
     written = cone.written_storages(graph)
@@ -254,7 +247,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
     if compile_step is not None:
         step = compile_step(step_gm, _step_examples(inv_gm, leaf_index, cached, example_inputs))
     size = max(1, min(MEMO_SIZE, limit // max(total, 1)))
-    runner = InvariantRunner(inv_gm, step, leaf_index, size, _written_inputs(graph), gm)
+    runner = InvariantRunner(inv_gm, step, leaf_index, size, cone.written_inputs(graph), gm)
     return InvariantSplit(True, runner.call, decisions, skipped, runner, step_gm)
 
 
@@ -384,10 +377,7 @@ class InvariantRunner:
 
     def aliased(self, args: tuple) -> bool:
         """Does an input the graph writes share memory (its storage) with a leaf on this call?"""
-        try:
-            return dynamo_hooks.shares_storage([args[w] for w in self.written], [args[i] for i in self.leaf_index])
-        except Exception:
-            return True  # cannot tell: the unsplit graph is right either way
+        return dynamo_hooks.may_share_storage([args[w] for w in self.written], [args[i] for i in self.leaf_index])
 
     def _compute(self, leaves: tuple) -> Optional[tuple]:
         # NOTE: the invariant part runs before the step's ops; an op of it that raises (an index out

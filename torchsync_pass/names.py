@@ -44,9 +44,10 @@ def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
     if source.startswith("G["):
         return False
     declared = tuple(declared)
-    if _torch_private.compile_entry_call() is None:  # not inside a compiled call
+    call = _torch_private.compile_entry_call()
+    if call is None:  # not inside a compiled call
         return _by_name(name, declared)
-    entry = _entry_scope()
+    entry = _entry_scope(call)
     code = dynamo_hooks.current_frame()[0]
     if entry is None or code is None:
         return False
@@ -154,12 +155,12 @@ def _fill(v: Any, args: tuple, kwargs: dict) -> Any:
     return v
 
 
-def _entry_scope() -> Optional[_Entry]:
+def _entry_scope(call: Optional[tuple] = None) -> Optional[_Entry]:
     """The function ``torch.compile`` was given, for the compiled call running now: Dynamo's entry
     frame (:func:`_torch_private.compile_entry_call`) holds the callable and this call's
     arguments; unwrapped (:func:`_unwrapping`) and bound to them (keywords it does not take
     dropped: a wrapper may rename them). None when not found, hidden or they do not bind."""
-    call = _torch_private.compile_entry_call()
+    call = call or _torch_private.compile_entry_call()
     if call is None:
         return None
     fn, args, kwargs = call
@@ -254,35 +255,6 @@ def _arg_names(code: Any) -> tuple:
     return code.co_varnames[:n]
 
 
-def _paths(name: str, args: tuple) -> list[list[str]]:
-    """The paths ``name`` may mean in a function taking ``args``: the argument, and for a bare or
-    dotted name not starting with ``self.``, also the module's ``self.<name>``."""
-    parts = name.split(".")
-    out = [parts] if parts[0] in args else []
-    if "self" in args and parts[0] != "self":
-        out.append(["self"] + parts)
-    return out
-
-
-def _item(obj: Any, part: str) -> Any:
-    """One step of a dotted name: a dict's key, a list's index, an attribute."""
-    if isinstance(obj, dict):
-        return obj[part]
-    if isinstance(obj, (list, tuple)) and part.isdigit():
-        return obj[int(part)]
-    return getattr(obj, part)
-
-
-def _resolve(path: list[str], scope: dict) -> Any:
-    obj = scope.get(path[0])
-    for part in path[1:]:
-        try:
-            obj = _item(obj, part)
-        except (AttributeError, KeyError, IndexError, TypeError):
-            return None
-    return obj if isinstance(obj, torch.Tensor) else None
-
-
 _warned: set = set()
 
 
@@ -305,11 +277,12 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
     """
     if not opts.invariant or code is None:
         return
-    entry = _entry_scope()
+    call = _torch_private.compile_entry_call()
+    entry = _entry_scope(call)
     if entry is not None:
         scopes = _scopes(entry)
-    elif dynamo_hooks.RESUME_RE.match(code.co_name) or _in_torch(code) or _pass_on_shape(code) \
-            or _torch_private.compile_entry_call() is not None:  # a function hidden by a wrapper
+    elif call is not None or dynamo_hooks.RESUME_RE.match(code.co_name) or _in_torch(code) \
+            or _pass_on_shape(code):  # a function hidden by a wrapper
         return
     else:
         scopes = [(code, frame_locals)]
@@ -345,7 +318,12 @@ def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = 
     obj = scope[path[0]]
     for i, part in enumerate(path[1:], 1):
         try:
-            obj = _item(obj, part)
+            if isinstance(obj, dict):
+                obj = obj[part]
+            elif isinstance(obj, (list, tuple)) and part.isdigit():
+                obj = obj[int(part)]
+            else:
+                obj = getattr(obj, part)
         except (AttributeError, KeyError, IndexError, TypeError):
             what = f"{'.'.join(path[:i])} ({type(obj).__name__}) has no attribute {part!r}"
             return what if path is parts else f"there is no argument {parts[0]!r} and {what}"
