@@ -826,6 +826,11 @@ class SiteCheck:
         self.declared = self.memo.declared
         self.getter = dynamo_hooks.leaf_getter(sources)
         self.may_demote = not all(self.declared)
+        # A declared leaf is one of the compiled call's own objects; the same code can run in
+        # another call of the function inside it (recursion, a child module of the same class)
+        # with other objects: such a call fails the guard (names.nested; a recompile there
+        # declares nothing).
+        self.nest = names.nesting() if any(self.declared) else None
         # The global state a call must still be in (the memo holds values computed under ``bits``):
         # the frame's entry state (what Dynamo's own global-state guard compares, but a
         # guard_filter_fn can drop that guard; not the state now: inside a traced ``no_grad``
@@ -855,7 +860,12 @@ class SiteCheck:
             return self._fail("a leaf no longer resolves")
         if self.written.alias(L, G):
             return self._fail_aliased()
+        if self.nest is not None and names.nested(*self.nest):
+            return self._fail_nested()
         return self.check_leaves(leaves)
+
+    def _fail_nested(self) -> bool:
+        return self._fail("another call of the compiled function inside it (its declared names are the outer call's)")
 
     def check_leaves(self, leaves: tuple) -> bool:
         return self.check_entry(leaves, None)
@@ -980,6 +990,7 @@ class SiteCheck:
         readers = {c.read_precisions: c.precisions for c in reversed(checks) if c.precisions is not None}
         written = checks[0].written  # one compile: every check has the same
         first = checks[0]
+        nest = next((c.nest for c in checks if c.nest is not None), None)
 
         def slow(L: Any, G: Any, leaves: tuple) -> bool:
             epoch = _DEMOTIONS[0]  # before the checks: a demotion while they run is seen next call
@@ -991,6 +1002,9 @@ class SiteCheck:
                     key = fast_key(leaves, declared, last[1])
                 except Exception:  # a leaf without a version (the checks below fail on it)
                     key = None
+            if nest is not None and names.nested(*nest):
+                last[0] = None
+                return first._fail_nested() or failed()
             for chk, idx in plans:
                 if not chk.check_leaves(tuple([leaves[i] for i in idx])):
                     last[0] = None
@@ -1020,11 +1034,11 @@ class SiteCheck:
         # NOTE: every name the code adds has the prefix: the sources are Dynamo's guard expressions,
         # evaluated among Dynamo's own guard globals (``guard_env``), which must not be shadowed.
         p = "_nosync_"
-        names = [f"{p}t{i}" for i in range(len(sources))]
+        tnames = [f"{p}t{i}" for i in range(len(sources))]
         state = f"not {p}entry_check()" if entry is not None else f"{p}get_num_threads() != {p}threads"
         for i in range(len(readers)):
             state += f" or {p}get_precisions{i}() != {p}precisions{i}"
-        leaves = "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
+        leaves = "(" + ", ".join(tnames) + ("," if len(tnames) == 1 else "") + ")"
         lines = [
             "def run(L, G):",
             f"    if {state}:",
@@ -1037,7 +1051,7 @@ class SiteCheck:
             f"        return {p}aliased_call() or {p}failed()",
             f"    {p}refs = {p}last[0]",
             f"    if ({p}refs is not None and {p}last[3] == {p}demotions[0]",
-            "            and " + same_call_expr(names, declared, f"{p}refs", f"{p}last[1]") + "):",
+            "            and " + same_call_expr(tnames, declared, f"{p}refs", f"{p}last[1]") + "):",
             f"        if not {p}last[2]:",
             f"            {p}book()",
             # NOTE: looked up per call: torch._dynamo.utils.counters.clear() replaces the Counter

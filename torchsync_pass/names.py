@@ -52,10 +52,13 @@ def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
     if entry is None or code is None:
         return False
     key = dynamo_hooks.code_key(code)
-    if key == dynamo_hooks.code_key(entry.code) or _resume_of(code, entry.code, name):
-        return _by_name(name, declared)
+    if (key == dynamo_hooks.code_key(entry.code) and name.split(".")[0] in _arg_names(entry.code)) \
+            or _resume_of(code, entry.code, name):  # (not a variable it closes over)
+        return _by_name(name, declared) and not nested(entry.code, code)
+    if key == dynamo_hooks.code_key(entry.code):
+        return False
     level = entry.levels.get(key)
-    if level is None:
+    if level is None or nested(entry.code, code):
         return False
     if name in declared:
         return True
@@ -67,15 +70,46 @@ def _by_name(name: str, declared: tuple) -> bool:
     return name in declared or (name.startswith("self.") and name[5:] in declared)
 
 
-def _resume_of(code: Any, fn_code: Any, name: str) -> bool:
-    """Is ``code`` the resume function of ``fn_code`` (the code after a graph break) and the root
-    of ``name`` an argument ``fn_code`` never assigns (the same object there on every call)?"""
+def nesting() -> Optional[tuple]:
+    """While Dynamo compiles a frame of a compiled call: ``(code of the function given to
+    torch.compile, code of the frame)``, what :func:`nested` asks of a later call; else None."""
+    entry = _entry_scope()
+    code = dynamo_hooks.current_frame()[0]
+    return (entry.code, code) if entry is not None and code is not None else None
+
+
+def nested(fn_code: Any, code: Any) -> bool:
+    """Is the frame of ``code`` that Dynamo compiles or guards now part of another call of the
+    function given to torch.compile (``fn_code``) than the compiled call itself: a recursive call,
+    a child module of the module's own class? Its arguments are not the call's: names declare
+    nothing there. The call's own frames are the function's, its resume functions (each called by
+    the one before it, the first by the function's frame) and the wrappers on the way to it (no
+    frame of the function above them)."""
+    key = dynamo_hooks.code_key(fn_code)
+    chain = [(f, dynamo_hooks.code_key(f.f_code) == key) for f in _torch_private.frames_below_entry()
+             if dynamo_hooks.code_key(f.f_code) == key or _is_resume(f.f_code, fn_code)]
+    if dynamo_hooks.code_key(code) == key or not _is_resume(code, fn_code):
+        return bool(chain)
+    # a resume function: only the call's own frames above it, one direct chain ending at its frame
+    return not chain or [own for _, own in chain] != [False] * (len(chain) - 1) + [True] \
+        or any(a.f_back is not b for (a, _), (b, _) in zip(chain, chain[1:]))
+
+
+def _is_resume(code: Any, fn_code: Any) -> bool:
+    """Is ``code`` a resume function of ``fn_code`` (the code after one of its graph breaks)?"""
     resume = re.match(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$", code.co_name)
     if not resume or resume.group(1) != fn_code.co_name or code.co_filename != fn_code.co_filename:
         return False
     line = int(resume.group(2))
-    if not _spans(fn_code, line) or any(_spans(c, line) for c in fn_code.co_consts if isinstance(c, types.CodeType)):
-        return False  # another function's, or a nested function's of the same name
+    # not another function's, nor a nested function's of the same name
+    return _spans(fn_code, line) and not any(_spans(c, line) for c in fn_code.co_consts if isinstance(c, types.CodeType))
+
+
+def _resume_of(code: Any, fn_code: Any, name: str) -> bool:
+    """Is ``code`` the resume function of ``fn_code`` (the code after a graph break) and the root
+    of ``name`` an argument ``fn_code`` never assigns (the same object there on every call)?"""
+    if not _is_resume(code, fn_code):
+        return False
     stored = {i.argval for i in dis.get_instructions(fn_code) if i.opname in ("STORE_FAST", "DELETE_FAST", "STORE_DEREF")}
     root = name.split(".")[0]
     # (an argument a closure captures may be rebound by it: ``nonlocal mask``)
@@ -235,8 +269,28 @@ def _passes_on(fn: Any) -> bool:
     wrapper that takes its own parameters (``w(a, b)``, which may call ``fn(b, a)``) is the
     function the names belong to."""
     code = getattr(fn, "__code__", None)
-    return code is not None and _pass_on_shape(code) and \
-        any(i.opname == "CALL_FUNCTION_EX" for i in dis.get_instructions(code))
+    if code is None or not _pass_on_shape(code):
+        return False
+    ins = list(dis.get_instructions(code))
+    return any(i.opname == "CALL_FUNCTION_EX" for i in ins) and _hands_on_args(code, ins)
+
+
+def _hands_on_args(code: Any, ins: list) -> bool:
+    """Is the ``*args`` of ``code`` never rebound and only ever handed on whole (``f(*args,
+    ...)``, ``f(self, *args, ...)``), never sliced, indexed or rebuilt (``f(*args[1:])``, which
+    shifts every argument)?"""
+    name = code.co_varnames[code.co_argcount]  # the *args parameter
+    if name in code.co_cellvars:
+        return False
+    for i, nxt in zip(ins, ins[1:] + [None]):
+        argval = i.argval if isinstance(i.argval, tuple) else (i.argval,)
+        if name not in argval:
+            continue
+        if i.opname.startswith(("STORE", "DELETE")) or not i.opname.startswith("LOAD_FAST") \
+                or len(argval) != 1 or nxt is None \
+                or nxt.opname not in ("CALL_FUNCTION_EX", "BUILD_MAP", "LIST_EXTEND"):
+            return False
+    return True
 
 
 def _pass_on_shape(code: Any) -> bool:
@@ -315,8 +369,11 @@ def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = 
         return f"there is no argument {parts[0]!r}"
     if not isinstance(scope, dict) or path[0] not in scope:
         return None if fallback else "it cannot be looked up"
-    obj = scope[path[0]]
+    obj = parent = scope[path[0]]
     for i, part in enumerate(path[1:], 1):
+        if isinstance(obj, torch.Tensor):  # (no leaf is named so: ``.data``, ``.T`` name nothing)
+            return f"{'.'.join(path[:i])} is a tensor: a declared path ends at one"
+        parent = obj
         try:
             if isinstance(obj, dict):
                 obj = obj[part]
@@ -327,6 +384,9 @@ def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = 
         except (AttributeError, KeyError, IndexError, TypeError):
             what = f"{'.'.join(path[:i])} ({type(obj).__name__}) has no attribute {part!r}"
             return what if path is parts else f"there is no argument {parts[0]!r} and {what}"
+    if obj is None and (len(path) == 1 or isinstance(parent, dict)
+                        or (isinstance(parent, torch.nn.Module) and path[-1] in parent._buffers)):
+        return None  # an optional tensor argument (or buffer) left None on this call: nothing to declare
     if not isinstance(obj, torch.Tensor):  # a declaration names one tensor: a module declares nothing
         tensors = [n for n, _ in itertools.chain(obj.named_parameters(), obj.named_buffers())][:3] \
             if isinstance(obj, torch.nn.Module) else []

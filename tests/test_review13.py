@@ -1,0 +1,187 @@
+"""Review 13 (2026-12-03): declared names (options["invariant"]), each test failing on the commit
+before its fix."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import torchsync_pass
+
+from test_core import assert_bitwise
+
+EAGER = {"codegen": "eager"}
+
+
+def _compile(fn, invariant, strict=True):
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    return torch.compile(fn, backend="nosync", options={**EAGER, "invariant": invariant, "strict": strict})
+
+
+def _hoisted_leaves() -> list:
+    return [d.leaves for d in torchsync_pass.decisions() if d.action.value == "hoisted"]
+
+
+class _Block(nn.Module):
+    """Holds a child of its own class; the child runs before the graph break."""
+
+    def __init__(self, child=None) -> None:
+        super().__init__()
+        with torch.inference_mode():
+            self.register_buffer("mask", torch.ones(4))
+        self.child = child
+
+    def forward(self, x):
+        if self.child is not None:
+            x = self.child(x)
+        print("", end="")  # graph break
+        return x * 2 if (self.mask > 0).any() else x * 3
+
+
+def test_a_child_module_of_the_same_class_is_not_declared_by_the_modules_name():
+    """The child's frames have the code of the function given to torch.compile: 'self.mask' (the
+    top module's) declared the child's undeclared inference buffer too, guarded by identity only,
+    and an in-place write to it was served the branch from before."""
+    m = _Block(_Block())
+    g = _compile(m, ["self.mask"])
+    with torch.inference_mode():
+        x = torch.ones(4)
+        for v in (1.0, -3.0, 3.0, -3.0):
+            m.child.mask.add_(v)
+            assert_bitwise(g(x), m(x))
+
+
+def _recursive(x, mask, inner=None):
+    if inner is not None:
+        x = _recursive(x, inner)
+    print("", end="")  # graph break
+    return x * 2 if (mask > 0).any() else x * 3
+
+
+def _recursive_late(x, mask, inner=None):
+    print("", end="")  # graph break: the outer call's resume function compiles first
+    if inner is not None:
+        x = _recursive_late(x, inner)
+    return x * 2 if (mask > 0).any() else x * 3
+
+
+def test_a_recursive_call_does_not_inherit_the_declared_names():
+    """The inner call's 'mask' is the outer call's undeclared 'inner': declared by path before."""
+    for fn in (_recursive, _recursive_late):
+        g = _compile(fn, ["mask"])
+        with torch.inference_mode():
+            x, mask, other = torch.ones(4), torch.ones(4), torch.ones(4)
+            for v in (1.0, -3.0, 3.0, -3.0):
+                other.add_(v)
+                assert_bitwise(g(x, mask, other), fn(x, mask, other))
+        assert ("mask",) in _hoisted_leaves(), fn.__name__  # the outer call's own name still counts
+
+
+def test_a_graph_compiled_for_the_call_itself_refuses_a_later_nested_call():
+    """The entry and resume graphs compiled (with 'self.mask' declared) before the module had a
+    child of its own class; the child's calls then pass their other guards: the nosync guard
+    fails them (names.nested), and the recompile there declares nothing."""
+    m = _Block()
+    g = _compile(m, ["self.mask"])
+    with torch.inference_mode():
+        x = torch.ones(4)
+        assert_bitwise(g(x), m(x))
+        assert ("self.mask",) in _hoisted_leaves()
+        m.child = _Block()
+        for v in (1.0, -3.0, 3.0, -3.0):
+            m.child.mask.add_(v)
+            assert_bitwise(g(x), m(x))
+
+
+def _closing_over(mask):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.inference_mode():
+                self.register_buffer("mask", torch.ones(4))  # the declared one
+
+        def forward(self, x):
+            a = 2.0 if (self.mask > 0).any() else 3.0
+            return x * a if (mask > 0).any() else x - a  # the closure's, undeclared
+
+    return M()
+
+
+def test_a_variable_the_function_closes_over_is_not_declared_by_its_name():
+    """'mask' (the module's self.mask) declared the closure variable 'mask' too (its guard source
+    is L['mask'] like an argument's), so its in-place write was served the branch from before."""
+    with torch.inference_mode():
+        mask = torch.ones(4)
+    m = _closing_over(mask)
+    g = _compile(m, ["mask"])
+    with torch.inference_mode():
+        x = torch.ones(4)
+        for v in (1.0, -3.0, 3.0, -3.0):
+            mask.add_(v)
+            assert_bitwise(g(x), m(x))
+    assert ("self.mask",) in _hoisted_leaves()
+
+
+def _optional_mask(x, attention_mask=None):
+    if attention_mask is not None:
+        x = x * attention_mask
+    return x * 2 if (x > 0).any() else x * 3
+
+
+def test_strict_accepts_an_optional_tensor_argument_passed_none():
+    """attention_mask=None passed explicitly (as transformers' callers do) was refused under
+    strict: 'attention_mask is a NoneType, not a tensor'."""
+    g = _compile(_optional_mask, ["attention_mask"])
+    with torch.inference_mode():
+        mask = torch.ones(4)
+        for kw in ({"attention_mask": mask}, {"attention_mask": None}, {}):
+            assert_bitwise(g(torch.ones(4), **kw), _optional_mask(torch.ones(4), **kw))
+
+
+class _InferenceMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.inference_mode():
+            self.register_buffer("mask", torch.ones(4))
+
+    def forward(self, x):
+        return x * 2 if (self.mask > 0).any() else x * 3
+
+
+@pytest.mark.parametrize("name", ["self.mask.data", "self.mask.T", "mask.data"])
+def test_strict_refuses_a_path_that_goes_on_past_a_tensor(name):
+    """'self.mask.data' resolved to a tensor and passed strict, yet no leaf is ever named so: the
+    inference buffer stayed undeclared (rejected) without a word."""
+    g = _compile(_InferenceMask(), [name])
+    with torch.inference_mode(), pytest.raises(torchsync_pass.NosyncOptionsError, match="a declared path ends at one"):
+        g(torch.ones(4))
+
+
+def _shifts_args(f):
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        return f(*args[1:], **kwargs)  # drops a leading request id
+
+    return wrapper
+
+
+def _sync_on_x(x, mask, bias=None):
+    a = 2.0 if (x > 0).any() else 3.0
+    return x * a + mask if bias is None else x * a + mask + bias
+
+
+def test_a_wraps_wrapper_that_shifts_its_args_is_where_the_names_belong():
+    """A functools.wraps wrapper shaped (*args, **kwargs) that hands on args[1:] was taken as
+    passing its arguments on: 'mask' was bound to the wrapper's args.1, the function's x, and the
+    undeclared x was served the branch from before its in-place write."""
+    w = _shifts_args(_sync_on_x)
+    g = _compile(w, ["mask"], strict=False)
+    with torch.inference_mode():
+        x, mask = torch.ones(4), torch.ones(4)
+        for v in (1.0, -3.0, 3.0, -3.0):
+            x.add_(v)
+            assert_bitwise(g(0, x, mask), w(0, x, mask))
