@@ -85,9 +85,13 @@ def nested(fn_code: Any, code: Any) -> bool:
     nothing there. The call's own frames are the function's, its resume functions (each called by
     the one before it, the first by the function's frame) and the wrappers on the way to it (no
     frame of the function above them)."""
-    key = dynamo_hooks.code_key(fn_code)
-    chain = [(f, dynamo_hooks.code_key(f.f_code) == key) for f in _torch_private.frames_below_entry()
-             if dynamo_hooks.code_key(f.f_code) == key or _is_resume(f.f_code, fn_code)]
+    key, file = dynamo_hooks.code_key(fn_code), fn_code.co_filename
+    chain = []
+    for f in _torch_private.frames_below_entry():
+        if f.f_code.co_filename == file:  # (the rest cannot be the function's)
+            own = dynamo_hooks.code_key(f.f_code) == key
+            if own or _is_resume(f.f_code, fn_code):
+                chain.append((f, own))
     if dynamo_hooks.code_key(code) == key or not _is_resume(code, fn_code):
         return bool(chain)
     # a resume function: only the call's own frames above it, one direct chain ending at its frame
@@ -97,6 +101,11 @@ def nested(fn_code: Any, code: Any) -> bool:
 
 def _is_resume(code: Any, fn_code: Any) -> bool:
     """Is ``code`` a resume function of ``fn_code`` (the code after one of its graph breaks)?"""
+    return code.co_name.startswith("torch_dynamo_resume_in_") and _is_resume_slow(code, fn_code)
+
+
+@functools.lru_cache(maxsize=256)
+def _is_resume_slow(code: Any, fn_code: Any) -> bool:
     resume = re.match(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$", code.co_name)
     if not resume or resume.group(1) != fn_code.co_name or code.co_filename != fn_code.co_filename:
         return False
