@@ -185,3 +185,56 @@ def test_a_wraps_wrapper_that_shifts_its_args_is_where_the_names_belong():
         for v in (1.0, -3.0, 3.0, -3.0):
             x.add_(v)
             assert_bitwise(g(0, x, mask), w(0, x, mask))
+
+
+class _Sibling(nn.Module):
+    """Calls another module of its own class from a forward hook: a call of the same code made
+    after the compiled call's own frames returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.inference_mode():
+            self.register_buffer("mask", torch.ones(4))
+
+    def forward(self, x):
+        print("", end="")  # graph break
+        return x * 2 if (self.mask > 0).any() else x * 3
+
+
+def test_a_sibling_of_the_same_class_called_from_a_hook_is_not_declared():
+    """The sibling's frames ran after the top's had returned, so nothing on the stack told them
+    apart: 'self.mask' declared the sibling's buffer (review 13, round 2). The declared path must
+    name the leaf itself in the call's arguments, at the trace and at the guard."""
+    top, other = _Sibling(), _Sibling()
+    top.register_forward_hook(lambda mod, args, out: other(out))
+    g = _compile(top, ["self.mask"])
+    with torch.inference_mode():
+        x = torch.ones(4)
+        for v in (1.0, -3.0, 3.0, -3.0):
+            other.mask.add_(v)
+            assert_bitwise(g(x), top(x))
+    assert ("self.mask",) in _hoisted_leaves()  # the top's own
+
+
+def _calls_twice(f):
+    @functools.wraps(f)
+    def w(*args, **kwargs):
+        y = f(*args, **kwargs)
+        return f(y, kwargs["other"])
+
+    return w
+
+
+def _sync_on_mask(x, mask, other=None):
+    print("", end="")  # graph break
+    return x * 2 if (mask > 0).any() else x * 3
+
+
+def test_a_wrapper_calling_the_function_twice_declares_only_the_first_calls_arguments():
+    w = _calls_twice(_sync_on_mask)
+    g = _compile(w, ["mask"])
+    with torch.inference_mode():
+        x, mask, other = torch.ones(4), torch.ones(4), torch.ones(4)
+        for v in (1.0, -3.0, 3.0, -3.0):
+            other.add_(v)
+            assert_bitwise(g(x, mask, other=other), w(x, mask, other=other))

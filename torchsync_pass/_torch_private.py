@@ -543,35 +543,16 @@ def compile_entry_call() -> Optional[tuple[Any, tuple, dict]]:
     ``torch.compile`` was given and this call's arguments, from Dynamo's entry frame on the stack
     (``compile_wrapper`` in eval_frame.py, 2.11 to 2.15, which holds them as ``fn``, ``args``,
     ``kwargs``); None when there is none (the innermost one counts)."""
-    found = _entry_frame(sys._getframe(1))
-    return found[1] if found is not None else None
-
-
-def frames_below_entry() -> list:
-    """The Python frames from the caller up to Dynamo's entry frame of the compiled call running
-    now (:func:`compile_entry_call`'s, not included), innermost first; the whole stack when there
-    is none. While Dynamo compiles or guards a frame, that frame itself is not among them: its
-    caller is."""
-    start = sys._getframe(1)
-    found = _entry_frame(start)
-    stop = found[0] if found is not None else None
-    frames, f = [], start
-    while f is not None and f is not stop:
-        frames.append(f)
-        f = f.f_back
-    return frames
-
-
-def _entry_frame(f: Any) -> Optional[tuple[Any, tuple[Any, tuple, dict]]]:
     from torch._dynamo import eval_frame
 
+    f = sys._getframe(1)
     while f is not None and f.f_code.co_filename != eval_frame.__file__:
         f = f.f_back
     while f is not None and f.f_code.co_filename == eval_frame.__file__:
         scope = f.f_locals
         fn, args, kwargs = scope.get("fn"), scope.get("args"), scope.get("kwargs")
         if fn is not None and isinstance(args, tuple) and isinstance(kwargs, dict):
-            return f, (fn, args, kwargs)
+            return fn, args, kwargs
         f = f.f_back
     return None
 

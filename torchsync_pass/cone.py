@@ -82,6 +82,8 @@ class LeafInfo:
     name: str  # dotted user name, e.g. "token_types", "self.attn.mask"
     role: str
     declared: bool
+    # (scope, path) it is declared by (names.declared_where), what the guard resolves again
+    where: Optional[tuple] = None
 
 
 @dataclass
@@ -102,8 +104,11 @@ class ConeResult:
 
     @property
     def fingerprint(self) -> tuple:
-        """What identifies the computation: leaf sources, the cone's ops, the default dtype."""
-        return (tuple(l.source for l in self.leaves), self.signature, self.default_dtype)
+        """What identifies the computation: leaf sources, the cone's ops, the default dtype, and
+        which leaves are declared by which path (a site compiled for the call itself and for
+        another call of its function, where nothing is declared, keeps two cones)."""
+        return (tuple(l.source for l in self.leaves), self.signature, self.default_dtype,
+                tuple(l.where for l in self.leaves))
 
 
 def dotted_name(source: str) -> str:
@@ -595,7 +600,8 @@ def analyze_cone(
                     if leaf.role == "wrapped" else f"a {type(leaf.example).__name__}")
             return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is {what}")
         name = dotted_name(leaf.source)
-        decl = names.is_declared(name, declared, leaf.source)
+        where = names.declared_where(name, declared, leaf.source)
+        decl = where is not None and names.is_declared(name, declared, leaf.source, leaf.example)
         if leaf.example.is_inference() and not decl:
             return ConeResult(False, Reason.INFERENCE_TENSOR, f"{name} is an inference tensor")
         if leaf.example.requires_grad and not decl:
@@ -606,7 +612,7 @@ def analyze_cone(
             return ConeResult(False, Reason.CROSS_BREAK_INPUT, f"{leaf.source} of a resume function")
         if leaf.role not in ("parameter", "buffer") and not decl:
             speculative = True
-        infos.append(LeafInfo(leaf.source, name, leaf.role, decl))
+        infos.append(LeafInfo(leaf.source, name, leaf.role, decl, where if decl else None))
         examples.append(leaf.example)
 
     for n in cone_nodes if index is None else ():

@@ -827,10 +827,12 @@ class SiteCheck:
         self.getter = dynamo_hooks.leaf_getter(sources)
         self.may_demote = not all(self.declared)
         # A declared leaf is one of the compiled call's own objects; the same code can run in
-        # another call of the function inside it (recursion, a child module of the same class)
-        # with other objects: such a call fails the guard (names.nested; a recompile there
-        # declares nothing).
-        self.nest = names.nesting() if any(self.declared) else None
+        # another call of the function (a recursive call, a child module of the same class, a
+        # hook calling a sibling) with other objects: when the leaves are not the last call's,
+        # the declared paths must still name them in the call running now, else the guard fails
+        # (names.still_declared; a recompile there declares nothing).
+        self.wheres = tuple((i, l.where) for i, l in enumerate(cone.result.leaves)
+                            if l.declared and l.where is not None and l.where[0] is not None)
         # The global state a call must still be in (the memo holds values computed under ``bits``):
         # the frame's entry state (what Dynamo's own global-state guard compares, but a
         # guard_filter_fn can drop that guard; not the state now: inside a traced ``no_grad``
@@ -860,12 +862,13 @@ class SiteCheck:
             return self._fail("a leaf no longer resolves")
         if self.written.alias(L, G):
             return self._fail_aliased()
-        if self.nest is not None and names.nested(*self.nest):
-            return self._fail_nested()
+        if self.wheres and not names.still_declared(self.wheres, leaves):
+            return self._fail_undeclared()
         return self.check_leaves(leaves)
 
-    def _fail_nested(self) -> bool:
-        return self._fail("another call of the compiled function inside it (its declared names are the outer call's)")
+    def _fail_undeclared(self) -> bool:
+        return self._fail("a declared leaf is not the object its name gives in this call "
+                          "(another call of the compiled function)")
 
     def check_leaves(self, leaves: tuple) -> bool:
         return self.check_entry(leaves, None)
@@ -990,7 +993,8 @@ class SiteCheck:
         readers = {c.read_precisions: c.precisions for c in reversed(checks) if c.precisions is not None}
         written = checks[0].written  # one compile: every check has the same
         first = checks[0]
-        nest = next((c.nest for c in checks if c.nest is not None), None)
+        # the declared paths of every check, as positions in ``leaves``
+        wheres = tuple({(idx[i], w) for chk, idx in plans for i, w in chk.wheres})
 
         def slow(L: Any, G: Any, leaves: tuple) -> bool:
             epoch = _DEMOTIONS[0]  # before the checks: a demotion while they run is seen next call
@@ -1002,9 +1006,9 @@ class SiteCheck:
                     key = fast_key(leaves, declared, last[1])
                 except Exception:  # a leaf without a version (the checks below fail on it)
                     key = None
-            if nest is not None and names.nested(*nest):
+            if wheres and not names.still_declared(wheres, leaves):
                 last[0] = None
-                return first._fail_nested() or failed()
+                return first._fail_undeclared() or failed()
             for chk, idx in plans:
                 if not chk.check_leaves(tuple([leaves[i] for i in idx])):
                     last[0] = None

@@ -116,7 +116,7 @@ def _invariant_leaf(n: fx.Node, declared: tuple[str, ...]) -> Optional[str]:
     if leaf is None or not isinstance(leaf.example, torch.Tensor):
         return None
     name = cone.dotted_name(leaf.source)
-    decl = names.is_declared(name, declared, leaf.source)
+    decl = names.is_declared(name, declared, leaf.source, leaf.example)
     # (also: the tensors of a list table that a rewritten read stacks, rewrite.py)
     if leaf.role not in ("parameter", "buffer") and not decl and not guarded(n) and not rewrite.is_table_leaf(n):
         return None

@@ -22,6 +22,7 @@ import itertools
 import logging
 import re
 import types
+import weakref
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -32,71 +33,100 @@ from .errors import NosyncOptionsError
 log = logging.getLogger("torchsync_pass")
 
 
-def is_declared(name: str, declared: Iterable[str], source: str = "") -> bool:
-    """Is the leaf of user name ``name`` (``self.attn.mask``, the dotted form of its guard source
-    ``source``) among the declared names? By path, in the namespace of the function given to
-    torch.compile (``mask`` declares an argument ``mask`` and ``self.mask``, ``self.mask`` only the
-    module's): in that function's frame and its resume function's (for an argument it never
-    assigns), and in a wrapper's on the way to it through the argument the wrapper hands on
-    (:func:`_translate`; or its own path, ``kwargs.ids``). Nothing in a frame Dynamo compiles on its
-    own for a callee or hook (it may be called with other objects), nor where the function is
-    hidden (a decorator without ``functools.wraps``). A global (``G[...]``) is never declared."""
+def is_declared(name: str, declared: Iterable[str], source: str = "", obj: Any = None) -> bool:
+    """Is the leaf of user name ``name`` (the dotted form of its guard source ``source``), whose
+    object is ``obj`` now, among the declared names? :func:`declared_where` finds the path, and
+    the path resolves to ``obj`` itself in the compiled call's arguments."""
+    where = declared_where(name, declared, source)
+    return where is not None and (obj is None or where[0] is None or resolve(where, _entry_call()) is obj)
+
+
+def declared_where(name: str, declared: Iterable[str], source: str = "") -> Optional[tuple]:
+    """``(scope, path)`` by which the leaf of user name ``name`` (``self.attn.mask``, the dotted
+    form of its guard source ``source``) is declared, or None. By path, in the namespace of the
+    function given to torch.compile (``mask`` declares an argument ``mask`` and ``self.mask``,
+    ``self.mask`` only the module's): in that function's frame and its resume function's (for an
+    argument it never assigns; not a variable it closes over), and in a wrapper's on the way to it
+    through the argument the wrapper hands on (:func:`_translate`; or its own path, ``kwargs.ids``:
+    scope, that wrapper's code key). Nothing in a frame Dynamo compiles on its own for a callee or
+    hook (it may be called with other objects), nor where the function is hidden (a decorator
+    without ``functools.wraps``). A global (``G[...]``) is never declared. Scope None: outside a
+    compiled call (nothing to resolve the path in).
+
+    The same code can run in another call of the function (a recursive call, a child module of
+    the module's own class, a hook calling a sibling): a path names the compiled call's own object
+    only where it resolves to it in this call's arguments (:func:`resolve`), asked when the leaf
+    is traced and again by the guard whenever the leaves are not the last call's."""
     if source.startswith("G["):
-        return False
+        return None
     declared = tuple(declared)
     call = _torch_private.compile_entry_call()
     if call is None:  # not inside a compiled call
-        return _by_name(name, declared)
+        return (None, name) if _by_name(name, declared) else None
     entry = _entry_scope(call)
     code = dynamo_hooks.current_frame()[0]
     if entry is None or code is None:
-        return False
+        return None
     key = dynamo_hooks.code_key(code)
-    if (key == dynamo_hooks.code_key(entry.code) and name.split(".")[0] in _arg_names(entry.code)) \
-            or _resume_of(code, entry.code, name):  # (not a variable it closes over)
-        return _by_name(name, declared) and not nested(entry.code, code)
     if key == dynamo_hooks.code_key(entry.code):
-        return False
+        ok = name.split(".")[0] in _arg_names(entry.code)
+        return ("entry", name) if ok and _by_name(name, declared) else None
+    if _resume_of(code, entry.code, name):
+        return ("entry", name) if _by_name(name, declared) else None
     level = entry.levels.get(key)
-    if level is None or nested(entry.code, code):
-        return False
+    if level is None:
+        return None
     if name in declared:
-        return True
+        return (key, name)
     path = _translate(name.split("."), level, entry.structural)
-    return path is not None and _by_name(".".join(path), declared)
+    return ("entry", ".".join(path)) if path is not None and _by_name(".".join(path), declared) else None
+
+
+def _entry_call() -> Optional[tuple]:
+    return _torch_private.compile_entry_call()
+
+
+def resolve(where: tuple, call: Optional[tuple]) -> Any:
+    """The object the declared path ``where`` (:func:`declared_where`) names in the compiled call
+    ``call`` (:func:`_torch_private.compile_entry_call`), or a fresh object (matching nothing)
+    where it names none."""
+    missing = object()
+    entry = _entry_scope(call) if call is not None else None
+    if entry is None:
+        return missing
+    scope, path = where
+    if scope == "entry":
+        obj: Any = entry.real
+    elif scope in entry.levels:
+        obj = _fill(entry.levels[scope], call[1], call[2])
+    else:
+        return missing
+    for part in path.split("."):
+        try:
+            obj = _step(obj, part)
+        except Exception:  # (a property may raise anything)
+            return missing
+    return obj
+
+
+def _step(obj: Any, part: str) -> Any:
+    """One part of a dotted path: a key, an index or an attribute."""
+    if isinstance(obj, dict):
+        return obj[part]
+    if isinstance(obj, (list, tuple)) and part.isdigit():
+        return obj[int(part)]
+    return getattr(obj, part)
+
+
+def still_declared(wheres: tuple, leaves: tuple) -> bool:
+    """At a guard: do the declared paths ``wheres`` (``(index, where)`` pairs) name these very
+    leaves in the compiled call running now (not another call of the same code)?"""
+    call = _entry_call()
+    return all(resolve(where, call) is leaves[i] for i, where in wheres)
 
 
 def _by_name(name: str, declared: tuple) -> bool:
     return name in declared or (name.startswith("self.") and name[5:] in declared)
-
-
-def nesting() -> Optional[tuple]:
-    """While Dynamo compiles a frame of a compiled call: ``(code of the function given to
-    torch.compile, code of the frame)``, what :func:`nested` asks of a later call; else None."""
-    entry = _entry_scope()
-    code = dynamo_hooks.current_frame()[0]
-    return (entry.code, code) if entry is not None and code is not None else None
-
-
-def nested(fn_code: Any, code: Any) -> bool:
-    """Is the frame of ``code`` that Dynamo compiles or guards now part of another call of the
-    function given to torch.compile (``fn_code``) than the compiled call itself: a recursive call,
-    a child module of the module's own class? Its arguments are not the call's: names declare
-    nothing there. The call's own frames are the function's, its resume functions (each called by
-    the one before it, the first by the function's frame) and the wrappers on the way to it (no
-    frame of the function above them)."""
-    key, file = dynamo_hooks.code_key(fn_code), fn_code.co_filename
-    chain = []
-    for f in _torch_private.frames_below_entry():
-        if f.f_code.co_filename == file:  # (the rest cannot be the function's)
-            own = dynamo_hooks.code_key(f.f_code) == key
-            if own or _is_resume(f.f_code, fn_code):
-                chain.append((f, own))
-    if dynamo_hooks.code_key(code) == key or not _is_resume(code, fn_code):
-        return bool(chain)
-    # a resume function: only the call's own frames above it, one direct chain ending at its frame
-    return not chain or [own for _, own in chain] != [False] * (len(chain) - 1) + [True] \
-        or any(a.f_back is not b for (a, _), (b, _) in zip(chain, chain[1:]))
 
 
 def _is_resume(code: Any, fn_code: Any) -> bool:
@@ -180,12 +210,24 @@ class _Entry:
 
 def _bind(fn: Any, args: tuple, kwargs: dict) -> Optional[dict]:
     try:
-        sig = inspect.signature(fn, follow_wrapped=False)
+        sig = _signature(fn)
         if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
             kwargs = {n: v for n, v in kwargs.items() if n in sig.parameters}
         return dict(sig.bind_partial(*args, **kwargs).arguments)
     except (TypeError, ValueError):
         return None
+
+
+_SIGNATURES: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _signature(fn: types.FunctionType) -> inspect.Signature:
+    # NOTE: the guard resolves declared paths at every new request, and a signature costs tens of
+    # microseconds: kept per function (and its code: ``__code__`` can be replaced)
+    known = _SIGNATURES.get(fn)
+    if known is None or known[0] is not fn.__code__:
+        known = _SIGNATURES[fn] = (fn.__code__, inspect.signature(fn, follow_wrapped=False))
+    return known[1]
 
 
 def _fill(v: Any, args: tuple, kwargs: dict) -> Any:
@@ -384,18 +426,14 @@ def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = 
             return f"{'.'.join(path[:i])} is a tensor: a declared path ends at one"
         parent = obj
         try:
-            if isinstance(obj, dict):
-                obj = obj[part]
-            elif isinstance(obj, (list, tuple)) and part.isdigit():
-                obj = obj[int(part)]
-            else:
-                obj = getattr(obj, part)
+            obj = _step(obj, part)
         except (AttributeError, KeyError, IndexError, TypeError):
             what = f"{'.'.join(path[:i])} ({type(obj).__name__}) has no attribute {part!r}"
             return what if path is parts else f"there is no argument {parts[0]!r} and {what}"
     if obj is None and (len(path) == 1 or isinstance(parent, dict)
-                        or (isinstance(parent, torch.nn.Module) and path[-1] in parent._buffers)):
-        return None  # an optional tensor argument (or buffer) left None on this call: nothing to declare
+                        or (isinstance(parent, torch.nn.Module)
+                            and (path[-1] in parent._buffers or path[-1] in parent._parameters))):
+        return None  # an optional tensor argument (buffer, parameter) left None: nothing to declare
     if not isinstance(obj, torch.Tensor):  # a declaration names one tensor: a module declares nothing
         tensors = [n for n, _ in itertools.chain(obj.named_parameters(), obj.named_buffers())][:3] \
             if isinstance(obj, torch.nn.Module) else []
