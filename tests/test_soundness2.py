@@ -447,7 +447,7 @@ class Tokens(nn.Module):
 TYPOS = [
     ("token_type", "there is no argument 'token_type' and self (Tokens) has no attribute 'token_type'"),
     ("self.atn.mask", "self (Tokens) has no attribute 'atn'"),
-    ("token_types.mask", "token_types (Tensor) has no attribute 'mask'"),
+    ("token_types.mask", "token_types is a tensor: a declared path ends at one"),
 ]
 
 
