@@ -238,3 +238,53 @@ def test_a_wrapper_calling_the_function_twice_declares_only_the_first_calls_argu
         for v in (1.0, -3.0, 3.0, -3.0):
             other.add_(v)
             assert_bitwise(g(x, mask, other=other), w(x, mask, other=other))
+
+
+class _Solve(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.inference_mode():
+            self.register_buffer("R", torch.eye(2) * 2)
+            self.register_buffer("b", torch.ones(2))
+
+    def forward(self, x):
+        print("", end="")  # graph break
+        return x * torch.linalg.solve(self.R, self.b).sum()
+
+
+def test_a_tabulated_op_serves_only_the_call_its_declared_leaves_belong_to():
+    """The table's memo checks declared leaves by identity only and no guard asked the paths: a
+    sibling of the module's class, called from a hook, was served the top module's table after
+    writes to its own undeclared inference buffer (review 13, round 3). Also: the paths were
+    resolved inside torch._dynamo.disable's wrapper around the graph, not in the compiled call."""
+    top, other = _Solve(), _Solve()
+    top.register_forward_hook(lambda mod, args, out: other(out))
+    g = _compile(top, ["self.R", "self.b"])
+    with torch.inference_mode():
+        x = torch.ones(2)
+        for v in (0.0, 0.0, 1.0, 3.0):
+            other.R.add_(v)
+            assert_bitwise(g(x), top(x))
+    assert any(d.action.value == "tabulated" for d in torchsync_pass.decisions())
+
+
+class _PropertyMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.inference_mode():
+            self.register_buffer("_mask", torch.ones(4))
+
+    @property
+    def mask(self):
+        return self._mask
+
+    def forward(self, x):
+        return x * 2 if (self.mask > 0).any() else x * 3
+
+
+def test_strict_refuses_a_declared_property():
+    """'self.mask' naming a property resolved to a tensor and passed strict, but the leaf is
+    named by what the property reads (self._mask): nothing was declared, without a word."""
+    g = _compile(_PropertyMask(), ["self.mask"])
+    with torch.inference_mode(), pytest.raises(torchsync_pass.NosyncOptionsError, match="is a property"):
+        g(torch.ones(4))

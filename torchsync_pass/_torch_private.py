@@ -542,17 +542,19 @@ def compile_entry_call() -> Optional[tuple[Any, tuple, dict]]:
     """``(callable, args, kwargs)`` of the compiled call running now: the function
     ``torch.compile`` was given and this call's arguments, from Dynamo's entry frame on the stack
     (``compile_wrapper`` in eval_frame.py, 2.11 to 2.15, which holds them as ``fn``, ``args``,
-    ``kwargs``); None when there is none (the innermost one counts)."""
+    ``kwargs``); None when there is none (the innermost one counts; the walk goes past torch's
+    own frames in between, a graph runs inside ``_fn`` wrappers of that file)."""
     from torch._dynamo import eval_frame
 
+    # NOTE: by name: a graph runs inside torch._dynamo.disable's ``_fn`` wrappers (same file,
+    # their own fn/args/kwargs), which are not the entry
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename != eval_frame.__file__:
-        f = f.f_back
-    while f is not None and f.f_code.co_filename == eval_frame.__file__:
-        scope = f.f_locals
-        fn, args, kwargs = scope.get("fn"), scope.get("args"), scope.get("kwargs")
-        if fn is not None and isinstance(args, tuple) and isinstance(kwargs, dict):
-            return fn, args, kwargs
+    while f is not None:
+        if f.f_code.co_name == "compile_wrapper" and f.f_code.co_filename == eval_frame.__file__:
+            scope = f.f_locals
+            fn, args, kwargs = scope.get("fn"), scope.get("args"), scope.get("kwargs")
+            if fn is not None and isinstance(args, tuple) and isinstance(kwargs, dict):
+                return fn, args, kwargs
         f = f.f_back
     return None
 

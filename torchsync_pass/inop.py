@@ -71,7 +71,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import fx
 
-from . import cone, dynamo_hooks
+from . import cone, dynamo_hooks, names
 from .guards import MEMO_SIZE, ConeMemo, counters, record_decision, value_state
 from .report import Action, Decision, Reason
 from .tables import TableTooLarge, _int_value, _only_indexes, _SIZE_SOURCES, index_range
@@ -179,7 +179,7 @@ class TabulatedOp:
 
     def __init__(self, module: fx.GraphModule, leaf_pos: tuple[int, ...], index_pos: Optional[int],
                  module_index_pos: Optional[int], declared: tuple[bool, ...], decision: Decision,
-                 fingerprint: tuple, batch: Optional["_Batch"] = None) -> None:
+                 fingerprint: tuple, batch: Optional["_Batch"] = None, wheres: tuple = ()) -> None:
         self.module = module
         self.batch = batch
         _MODULES.add(module)
@@ -187,6 +187,12 @@ class TabulatedOp:
         self.index_pos = index_pos
         self.module_index_pos = module_index_pos
         self.declared = declared
+        # The declared leaves' paths (names.declared_where): the memo checks a declared leaf by
+        # identity only, so a call whose leaves are not the last checked ones must still be the
+        # call they were declared in (the same code runs for a sibling of a module's own class
+        # too): else the original graph runs.
+        self.wheres = wheres
+        self._named: Optional[tuple] = None  # weak refs of the last leaves the paths named
         self.decision = decision
         # NOTE: keyed by the declared flags too: the memo checks a declared leaf by identity only
         # (an inference tensor has no version counter), another graph's leaves by their versions
@@ -218,6 +224,15 @@ class TabulatedOp:
                 continue
         return Table(values, ok)
 
+    def _still_declared(self, leaves: tuple) -> bool:
+        named = self._named
+        if named is not None and all(r() is t for r, t in zip(named, leaves)):
+            return True
+        if not names.still_declared(self.wheres, leaves):
+            return False
+        self._named = tuple(weakref.ref(t) for t in leaves)
+        return True
+
     def lookup(self, args: tuple) -> tuple[bool, Any]:
         """(True, value) for this call, or (False, None): run the original graph."""
         shared = self.shared
@@ -232,6 +247,8 @@ class TabulatedOp:
                 return False, None
         if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
             return False, None  # a cached value would carry one call's autograd graph
+        if self.wheres and not self._still_declared(leaves):
+            return False, None
         # NOTE: one table per global state a value depends on (grad and inference mode, autocast,
         # default dtype, bits state): a graph with a table and no hoisted site has no nosync guard
         # to check that state, and a guard filter may have dropped Dynamo's own
@@ -545,6 +562,8 @@ def _rewrite(gm: fx.GraphModule, chosen: list, placeholders: list[fx.Node], leav
             tuple(l.declared for l in result.leaves), d,
             (result.fingerprint, None if index is None else leaves[index].source, result.index_pos),
             None if index is None else _batch_for(result.module, op, cone._example(node)),
+            tuple((i, l.where) for i, l in enumerate(result.leaves)
+                  if l.declared and l.where is not None and l.where[0] is not None),
         ))
         out.examples.append(cone._example(node))
     # Drop what only the tabulated ops read (pure by construction: their cones passed analyze_cone).

@@ -86,12 +86,13 @@ def _entry_call() -> Optional[tuple]:
     return _torch_private.compile_entry_call()
 
 
-def resolve(where: tuple, call: Optional[tuple]) -> Any:
+def resolve(where: tuple, call: Optional[tuple], entry: Optional["_Entry"] = None) -> Any:
     """The object the declared path ``where`` (:func:`declared_where`) names in the compiled call
-    ``call`` (:func:`_torch_private.compile_entry_call`), or a fresh object (matching nothing)
-    where it names none."""
+    ``call`` (:func:`_torch_private.compile_entry_call`; ``entry``, its :func:`_entry_scope` when
+    known), or a fresh object (matching nothing) where it names none."""
     missing = object()
-    entry = _entry_scope(call) if call is not None else None
+    if entry is None and call is not None:
+        entry = _entry_scope(call)
     if entry is None:
         return missing
     scope, path = where
@@ -122,7 +123,8 @@ def still_declared(wheres: tuple, leaves: tuple) -> bool:
     """At a guard: do the declared paths ``wheres`` (``(index, where)`` pairs) name these very
     leaves in the compiled call running now (not another call of the same code)?"""
     call = _entry_call()
-    return all(resolve(where, call) is leaves[i] for i, where in wheres)
+    entry = _entry_scope(call) if call is not None else None
+    return entry is not None and all(resolve(where, call, entry) is leaves[i] for i, where in wheres)
 
 
 def _by_name(name: str, declared: tuple) -> bool:
@@ -320,8 +322,12 @@ def _passes_on(fn: Any) -> bool:
     wrapper that takes its own parameters (``w(a, b)``, which may call ``fn(b, a)``) is the
     function the names belong to."""
     code = getattr(fn, "__code__", None)
-    if code is None or not _pass_on_shape(code):
-        return False
+    return code is not None and _pass_on_shape(code) and _calls_on(code)
+
+
+@functools.lru_cache(maxsize=1024)
+def _calls_on(code: Any) -> bool:
+    # (asked at every new request by the guard's declared check: one disassembly per code)
     ins = list(dis.get_instructions(code))
     return any(i.opname == "CALL_FUNCTION_EX" for i in ins) and _hands_on_args(code, ins)
 
@@ -424,6 +430,9 @@ def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = 
     for i, part in enumerate(path[1:], 1):
         if isinstance(obj, torch.Tensor):  # (no leaf is named so: ``.data``, ``.T`` name nothing)
             return f"{'.'.join(path[:i])} is a tensor: a declared path ends at one"
+        if not isinstance(obj, (dict, list, tuple)) and isinstance(getattr(type(obj), part, None), property):
+            # (the leaf is named by what the property reads: ``self._mask``)
+            return f"{'.'.join(path[:i + 1])} is a property: declare the attribute it returns"
         parent = obj
         try:
             obj = _step(obj, part)
