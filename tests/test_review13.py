@@ -288,3 +288,33 @@ def test_strict_refuses_a_declared_property():
     g = _compile(_PropertyMask(), ["self.mask"])
     with torch.inference_mode(), pytest.raises(torchsync_pass.NosyncOptionsError, match="is a property"):
         g(torch.ones(4))
+
+
+def _exp_weight(x, w, b=None, other=None):
+    print("", end="")  # graph break
+    return x * w.exp()
+
+
+def _twice_with_other(fn):
+    @functools.wraps(fn)
+    def wr(*args, **kwargs):
+        return fn(*args, **kwargs), fn(kwargs["b"], kwargs["other"])
+
+    return wr
+
+
+def test_the_invariant_cache_does_not_take_another_calls_weight_as_declared():
+    """A declared weight (requires grad) is cached; the second call of the same function inside
+    the wrapper passes another, undeclared weight, which was cached too and served stale after a
+    write behind its version counter (.data, as fused optimizers do; review 13, round 3)."""
+    wr = _twice_with_other(_exp_weight)
+    g = _compile(wr, ["w"])
+    w, other = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    x = torch.ones(4)
+    with torch.no_grad():
+        for step in range(4):
+            if step >= 2:
+                other.data.add_(1.0)
+            for got, want in zip(g(x, w, b=x, other=other), wr(x, w, b=x, other=other)):
+                assert_bitwise(got, want)
+    assert any(d.action.value == "cached" for d in torchsync_pass.decisions())

@@ -129,6 +129,24 @@ def _invariant_leaf(n: fx.Node, declared: tuple[str, ...]) -> Optional[str]:
     return name
 
 
+def _declared_wheres(graph: fx.Graph, leaf_index: tuple[int, ...], declared: tuple[str, ...]) -> tuple:
+    """``(position among the leaves, where)`` of each declared leaf (names.declared_where): what
+    the runner asks again of a call whose leaves are not the last call's (the same code runs for
+    another call of its function: a sibling of a module's own class, whose weight, undeclared,
+    must not be cached)."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    out = []
+    for k, i in enumerate(leaf_index):
+        leaf = dynamo_hooks.leaf_of(placeholders[i])
+        if leaf is None:
+            continue
+        name = cone.dotted_name(leaf.source)
+        where = names.declared_where(name, declared, leaf.source)
+        if where is not None and where[0] is not None and names.is_declared(name, declared, leaf.source, leaf.example):
+            out.append((k, where))
+    return tuple(out)
+
+
 def guarded(n: fx.Node) -> bool:
     """Is placeholder ``n`` a leaf that nosync already guards for a hoisted sync of this graph?
 
@@ -247,7 +265,8 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
     if compile_step is not None:
         step = compile_step(step_gm, _step_examples(inv_gm, leaf_index, cached, example_inputs))
     size = max(1, min(MEMO_SIZE, limit // max(total, 1)))
-    runner = InvariantRunner(inv_gm, step, leaf_index, size, cone.written_inputs(graph), gm)
+    runner = InvariantRunner(inv_gm, step, leaf_index, size, cone.written_inputs(graph), gm,
+                             _declared_wheres(graph, leaf_index, opts.invariant))
     return InvariantSplit(True, runner.call, decisions, skipped, runner, step_gm)
 
 
@@ -329,8 +348,12 @@ class InvariantRunner:
     """
 
     def __init__(self, invariant: fx.GraphModule, step: Callable[..., Any], leaf_index: tuple[int, ...],
-                 size: int, written: tuple[int, ...] = (), whole: Optional[fx.GraphModule] = None) -> None:
+                 size: int, written: tuple[int, ...] = (), whole: Optional[fx.GraphModule] = None,
+                 wheres: tuple = ()) -> None:
         self.invariant = invariant
+        # the declared leaves' paths (names.declared_where): a call whose leaves are not the last
+        # call's computes without caching unless they still name its leaves (see miss)
+        self.wheres = wheres
         self.step = step
         self.leaf_index = leaf_index
         self.size = size
@@ -404,12 +427,14 @@ class InvariantRunner:
         """
         leaves = tuple([args[i] for i in self.leaf_index])
         grad = torch.is_grad_enabled()
-        if any(t.is_inference() for t in leaves) or (grad and any(t.requires_grad for t in leaves)):
+        if any(t.is_inference() for t in leaves) or (grad and any(t.requires_grad for t in leaves)) \
+                or (self.wheres and not names.still_declared(self.wheres, leaves)):
             # NOTE: declared inference tensors have no _version; the identity-only memo would be the
             # user's promise, which the step's own writes could break: recompute instead. A leaf
             # that requires grad under grad mode (``requires_grad_(True)`` after the compile, with
             # Dynamo's guards dropped): the values carry this call's autograd graph, which a
-            # backward frees, so they are never reused.
+            # backward frees, so they are never reused. A declared leaf whose path does not name
+            # it in this call (another call of the same code): it is not declared here.
             counters()["invariant_computes"] += 1
             return self._compute(leaves)
         # The state key costs tens of microseconds at a new request: reuse the last one while the
