@@ -318,3 +318,26 @@ def test_the_invariant_cache_does_not_take_another_calls_weight_as_declared():
             for got, want in zip(g(x, w, b=x, other=other), wr(x, w, b=x, other=other)):
                 assert_bitwise(got, want)
     assert any(d.action.value == "cached" for d in torchsync_pass.decisions())
+
+
+def _break_then_sync(x, mask):
+    print("", end="")  # graph break
+    return x * 2 if (mask > 0).any() else x * 3
+
+
+def test_a_guard_resolves_its_paths_only_in_calls_of_its_own_compile():
+    """Dynamo runs a cache entry's guards for a call of another compile of the same function
+    too: the declared path was resolved in that call's arguments, so its undeclared tensor was
+    memoized as declared (by identity) and served stale to the declaring compile after a write
+    (review 13, round 4)."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    declaring = torch.compile(_break_then_sync, backend="nosync",
+                              options={**EAGER, "invariant": ["mask"], "strict": True})
+    other = torch.compile(_break_then_sync, backend="nosync", options=EAGER)
+    with torch.inference_mode():
+        x, m1, m2 = torch.ones(4), torch.ones(4), torch.ones(4)
+        assert_bitwise(declaring(x, m1), _break_then_sync(x, m1))
+        assert_bitwise(other(x, m2), _break_then_sync(x, m2))
+        m2.mul_(-1)
+        assert_bitwise(declaring(x, m2), _break_then_sync(x, m2))

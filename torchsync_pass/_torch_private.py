@@ -544,6 +544,15 @@ def compile_entry_call() -> Optional[tuple[Any, tuple, dict]]:
     (``compile_wrapper`` in eval_frame.py, 2.11 to 2.15, which holds them as ``fn``, ``args``,
     ``kwargs``); None when there is none (the innermost one counts; the walk goes past torch's
     own frames in between, a graph runs inside ``_fn`` wrappers of that file)."""
+    found = compile_entry()
+    return found[1] if found is not None else None
+
+
+def compile_entry() -> Optional[tuple[Any, tuple[Any, tuple, dict]]]:
+    """``(owner, (callable, args, kwargs))``: :func:`compile_entry_call`'s, and the object that
+    owns that entry frame (``self`` there: the context ``torch.compile`` made, one per
+    ``torch.compile`` call): what tells two compiles of one function apart (Dynamo runs a cache
+    entry's guards for a call of another compile of the same code too)."""
     from torch._dynamo import eval_frame
 
     # NOTE: by name: a graph runs inside torch._dynamo.disable's ``_fn`` wrappers (same file,
@@ -554,7 +563,7 @@ def compile_entry_call() -> Optional[tuple[Any, tuple, dict]]:
             scope = f.f_locals
             fn, args, kwargs = scope.get("fn"), scope.get("args"), scope.get("kwargs")
             if fn is not None and isinstance(args, tuple) and isinstance(kwargs, dict):
-                return fn, args, kwargs
+                return scope.get("self"), (fn, args, kwargs)
         f = f.f_back
     return None
 

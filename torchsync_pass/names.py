@@ -38,7 +38,7 @@ def is_declared(name: str, declared: Iterable[str], source: str = "", obj: Any =
     object is ``obj`` now, among the declared names? :func:`declared_where` finds the path, and
     the path resolves to ``obj`` itself in the compiled call's arguments."""
     where = declared_where(name, declared, source)
-    return where is not None and (obj is None or where[0] is None or resolve(where, _entry_call()) is obj)
+    return where is not None and (obj is None or where[0] is None or resolve(where, _torch_private.compile_entry()) is obj)
 
 
 def declared_where(name: str, declared: Iterable[str], source: str = "") -> Optional[tuple]:
@@ -60,42 +60,50 @@ def declared_where(name: str, declared: Iterable[str], source: str = "") -> Opti
     if source.startswith("G["):
         return None
     declared = tuple(declared)
-    call = _torch_private.compile_entry_call()
-    if call is None:  # not inside a compiled call
-        return (None, name) if _by_name(name, declared) else None
-    entry = _entry_scope(call)
+    found = _torch_private.compile_entry()
+    if found is None:  # not inside a compiled call
+        return (None, name, None) if _by_name(name, declared) else None
+    owner = _ref(found[0])
+    entry = _entry_scope(found[1])
     code = dynamo_hooks.current_frame()[0]
     if entry is None or code is None:
         return None
     key = dynamo_hooks.code_key(code)
     if key == dynamo_hooks.code_key(entry.code):
         ok = name.split(".")[0] in _arg_names(entry.code)
-        return ("entry", name) if ok and _by_name(name, declared) else None
+        return ("entry", name, owner) if ok and _by_name(name, declared) else None
     if _resume_of(code, entry.code, name):
-        return ("entry", name) if _by_name(name, declared) else None
+        return ("entry", name, owner) if _by_name(name, declared) else None
     level = entry.levels.get(key)
     if level is None:
         return None
     if name in declared:
-        return (key, name)
+        return (key, name, owner)
     path = _translate(name.split("."), level, entry.structural)
-    return ("entry", ".".join(path)) if path is not None and _by_name(".".join(path), declared) else None
+    return ("entry", ".".join(path), owner) if path is not None and _by_name(".".join(path), declared) else None
 
 
-def _entry_call() -> Optional[tuple]:
-    return _torch_private.compile_entry_call()
+def _ref(owner: Any) -> Any:
+    try:
+        return weakref.ref(owner)
+    except TypeError:  # (None, or an object without weak references: never the same again)
+        return None
 
 
-def resolve(where: tuple, call: Optional[tuple], entry: Optional["_Entry"] = None) -> Any:
+def resolve(where: tuple, found: Optional[tuple], entry: Optional["_Entry"] = None) -> Any:
     """The object the declared path ``where`` (:func:`declared_where`) names in the compiled call
-    ``call`` (:func:`_torch_private.compile_entry_call`; ``entry``, its :func:`_entry_scope` when
-    known), or a fresh object (matching nothing) where it names none."""
+    ``found`` (:func:`_torch_private.compile_entry`: it must be a call of the very compile the
+    path was found in; ``entry``, its :func:`_entry_scope` when known), or a fresh object
+    (matching nothing) where it names none."""
     missing = object()
-    if entry is None and call is not None:
+    scope, path, owner = where
+    if found is None or owner is None or owner() is not found[0]:
+        return missing
+    call = found[1]
+    if entry is None:
         entry = _entry_scope(call)
     if entry is None:
         return missing
-    scope, path = where
     if scope == "entry":
         obj: Any = entry.real
     elif scope in entry.levels:
@@ -122,9 +130,9 @@ def _step(obj: Any, part: str) -> Any:
 def still_declared(wheres: tuple, leaves: tuple) -> bool:
     """At a guard: do the declared paths ``wheres`` (``(index, where)`` pairs) name these very
     leaves in the compiled call running now (not another call of the same code)?"""
-    call = _entry_call()
-    entry = _entry_scope(call) if call is not None else None
-    return entry is not None and all(resolve(where, call, entry) is leaves[i] for i, where in wheres)
+    found = _torch_private.compile_entry()
+    entry = _entry_scope(found[1]) if found is not None else None
+    return entry is not None and all(resolve(where, found, entry) is leaves[i] for i, where in wheres)
 
 
 def _by_name(name: str, declared: tuple) -> bool:
