@@ -341,3 +341,40 @@ def test_a_guard_resolves_its_paths_only_in_calls_of_its_own_compile():
         assert_bitwise(other(x, m2), _break_then_sync(x, m2))
         m2.mul_(-1)
         assert_bitwise(declaring(x, m2), _break_then_sync(x, m2))
+
+
+class _LinBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        y = self.lin(x)
+        return y * 2 if (mask > 0).any() else y * 3
+
+
+def test_blocks_compiled_one_by_one_with_the_same_options_share_their_declaration():
+    """Regional compilation (diffusers' compile_repeated_blocks: block.compile() per block): one
+    graph serves every block; 645cc0d resolved the paths only in calls of the very compile they
+    were found in, so each block's call failed the others' guards, recompiled, and the site was
+    demoted (review 13, round 5). Calls of compiles declaring the same names share it."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    torch.manual_seed(0)
+    blocks = [_LinBlock() for _ in range(6)]
+    ref = [_LinBlock() for _ in range(6)]
+    for b, r in zip(blocks, ref):
+        r.load_state_dict(b.state_dict())
+        b.compile(backend="nosync", options={**EAGER, "invariant": ["mask"], "strict": True})
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch.inference_mode():
+        for req in range(4):
+            mask = torch.ones(4) * (1 if req % 2 else -1)
+            x = y = torch.randn(1, 4)
+            for _ in range(3):
+                for b, r in zip(blocks, ref):
+                    x, y = b(x, mask), r(y, mask)
+                assert_bitwise(x, y)
+    assert counters["stats"]["unique_graphs"] <= 2
+    assert counters["nosync"]["guard_hits"] > 0 and not counters["nosync"]["demoted"]

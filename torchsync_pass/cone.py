@@ -82,7 +82,7 @@ class LeafInfo:
     name: str  # dotted user name, e.g. "token_types", "self.attn.mask"
     role: str
     declared: bool
-    # (scope, path) it is declared by (names.declared_where), what the guard resolves again
+    # (scope, path, names) it is declared by (names.declared_where), what the guard resolves again
     where: Optional[tuple] = None
 
 

@@ -196,6 +196,17 @@ def _nosync_options(tx: Any) -> Any:
         compiler_fn = tx.output.compiler_fn
     except AttributeError:
         return None
+    return _options_behind(compiler_fn)
+
+
+def compile_options(owner: Any) -> Any:
+    """The nosync options of the ``torch.compile`` that made ``owner`` (the context of Dynamo's
+    entry frame, :func:`torchsync_pass._torch_private.compile_entry`), or None when its backend
+    is not nosync (another backend, or a run-only context)."""
+    return _options_behind(getattr(owner, "callback", None))
+
+
+def _options_behind(compiler_fn: Any) -> Any:
     backend, kwargs = _unwrap_backend(compiler_fn)
     if backend is None:
         return None

@@ -42,8 +42,9 @@ def is_declared(name: str, declared: Iterable[str], source: str = "", obj: Any =
 
 
 def declared_where(name: str, declared: Iterable[str], source: str = "") -> Optional[tuple]:
-    """``(scope, path)`` by which the leaf of user name ``name`` (``self.attn.mask``, the dotted
-    form of its guard source ``source``) is declared, or None. By path, in the namespace of the
+    """``(scope, path, names)`` by which the leaf of user name ``name`` (``self.attn.mask``, the
+    dotted form of its guard source ``source``) is declared (``names``: the compile's declared
+    names, ``declared``), or None. By path, in the namespace of the
     function given to torch.compile (``mask`` declares an argument ``mask`` and ``self.mask``,
     ``self.mask`` only the module's): in that function's frame and its resume function's (for an
     argument it never assigns; not a variable it closes over), and in a wrapper's on the way to it
@@ -62,8 +63,7 @@ def declared_where(name: str, declared: Iterable[str], source: str = "") -> Opti
     declared = tuple(declared)
     found = _torch_private.compile_entry()
     if found is None:  # not inside a compiled call
-        return (None, name, None) if _by_name(name, declared) else None
-    owner = _ref(found[0])
+        return (None, name, declared) if _by_name(name, declared) else None
     entry = _entry_scope(found[1])
     code = dynamo_hooks.current_frame()[0]
     if entry is None or code is None:
@@ -71,33 +71,52 @@ def declared_where(name: str, declared: Iterable[str], source: str = "") -> Opti
     key = dynamo_hooks.code_key(code)
     if key == dynamo_hooks.code_key(entry.code):
         ok = name.split(".")[0] in _arg_names(entry.code)
-        return ("entry", name, owner) if ok and _by_name(name, declared) else None
+        return ("entry", name, declared) if ok and _by_name(name, declared) else None
     if _resume_of(code, entry.code, name):
-        return ("entry", name, owner) if _by_name(name, declared) else None
+        return ("entry", name, declared) if _by_name(name, declared) else None
     level = entry.levels.get(key)
     if level is None:
         return None
     if name in declared:
-        return (key, name, owner)
+        return (key, name, declared)
     path = _translate(name.split("."), level, entry.structural)
-    return ("entry", ".".join(path), owner) if path is not None and _by_name(".".join(path), declared) else None
+    return ("entry", ".".join(path), declared) if path is not None and _by_name(".".join(path), declared) else None
 
 
-def _ref(owner: Any) -> Any:
+_DECLARING: "weakref.WeakKeyDictionary[Any, Optional[tuple]]" = weakref.WeakKeyDictionary()
+
+
+def _declares(owner: Any) -> Optional[tuple]:
+    """The names the ``torch.compile`` that made ``owner`` declares (None: not a nosync compile)."""
     try:
-        return weakref.ref(owner)
-    except TypeError:  # (None, or an object without weak references: never the same again)
-        return None
+        return _DECLARING[owner]
+    except (KeyError, TypeError):
+        pass
+    from .backend import _resolve
+
+    opts = dynamo_hooks.compile_options(owner)
+    try:
+        names = tuple(_resolve(opts).invariant) if opts is not None else None
+    except Exception:  # (bad options: that compile raises them itself)
+        names = None
+    try:
+        _DECLARING[owner] = names
+    except TypeError:  # (no weak references)
+        pass
+    return names
 
 
 def resolve(where: tuple, found: Optional[tuple], entry: Optional["_Entry"] = None) -> Any:
     """The object the declared path ``where`` (:func:`declared_where`) names in the compiled call
-    ``found`` (:func:`_torch_private.compile_entry`: it must be a call of the very compile the
-    path was found in; ``entry``, its :func:`_entry_scope` when known), or a fresh object
-    (matching nothing) where it names none."""
+    ``found`` (:func:`_torch_private.compile_entry`; ``entry``, its :func:`_entry_scope` when
+    known), or a fresh object (matching nothing) where it names none. Only in a call of a compile
+    that declares the same names as the one the path was found in: Dynamo runs a cache entry's
+    guards for calls of other compiles of the same code too (another ``torch.compile`` of the
+    function, an outer compiled function calling it); one per block of the same class, with the
+    same options (diffusers' ``compile_repeated_blocks``), is the same declaration."""
     missing = object()
-    scope, path, owner = where
-    if found is None or owner is None or owner() is not found[0]:
+    scope, path, declared = where
+    if found is None or _declares(found[0]) != declared:
         return missing
     call = found[1]
     if entry is None:
