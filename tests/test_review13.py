@@ -378,3 +378,16 @@ def test_blocks_compiled_one_by_one_with_the_same_options_share_their_declaratio
                 assert_bitwise(x, y)
     assert counters["stats"]["unique_graphs"] <= 2
     assert counters["nosync"]["guard_hits"] > 0 and not counters["nosync"]["demoted"]
+
+
+def test_a_context_whose_callback_raises_declares_nothing():
+    """names._declares read the compile's options outside its try: an entry frame's context
+    whose callback property raised let the exception out of the guard (review 13, round 6)."""
+    from torchsync_pass import names
+
+    class _RaisingCallback:
+        @property
+        def callback(self):
+            raise RuntimeError("boom")
+
+    assert names._declares(_RaisingCallback()) is None

@@ -94,10 +94,10 @@ def _declares(owner: Any) -> Optional[tuple]:
         pass
     from .backend import _resolve
 
-    opts = dynamo_hooks.compile_options(owner)
     try:
+        opts = dynamo_hooks.compile_options(owner)
         names = tuple(_resolve(opts).invariant) if opts is not None else None
-    except Exception:  # (bad options: that compile raises them itself)
+    except Exception:  # (bad options: that compile raises them itself; a callback that raises)
         names = None
     try:
         _DECLARING[owner] = names
