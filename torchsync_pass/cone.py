@@ -82,7 +82,7 @@ class LeafInfo:
     name: str  # dotted user name, e.g. "token_types", "self.attn.mask"
     role: str
     declared: bool
-    # (scope, path, names) it is declared by (names.declared_where), what the guard resolves again
+    # (scope, path, names) it is declared by (names.declaration), what the guard resolves again
     where: Optional[tuple] = None
 
 
@@ -600,8 +600,8 @@ def analyze_cone(
                     if leaf.role == "wrapped" else f"a {type(leaf.example).__name__}")
             return ConeResult(False, Reason.NO_TENSOR_LEAF, f"{leaf.source} is {what}")
         name = dotted_name(leaf.source)
-        where = names.declared_where(name, declared, leaf.source)
-        decl = where is not None and names.is_declared(name, declared, leaf.source, leaf.example)
+        where = names.declaration(name, declared, leaf.source, leaf.example)
+        decl = where is not None
         if leaf.example.is_inference() and not decl:
             return ConeResult(False, Reason.INFERENCE_TENSOR, f"{name} is an inference tensor")
         if leaf.example.requires_grad and not decl:
@@ -612,7 +612,7 @@ def analyze_cone(
             return ConeResult(False, Reason.CROSS_BREAK_INPUT, f"{leaf.source} of a resume function")
         if leaf.role not in ("parameter", "buffer") and not decl:
             speculative = True
-        infos.append(LeafInfo(leaf.source, name, leaf.role, decl, where if decl else None))
+        infos.append(LeafInfo(leaf.source, name, leaf.role, decl, where))
         examples.append(leaf.example)
 
     for n in cone_nodes if index is None else ():

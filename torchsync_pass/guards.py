@@ -831,8 +831,7 @@ class SiteCheck:
         # hook calling a sibling) with other objects: when the leaves are not the last call's,
         # the declared paths must still name them in the call running now, else the guard fails
         # (names.still_declared; a recompile there declares nothing).
-        self.wheres = tuple((i, l.where) for i, l in enumerate(cone.result.leaves)
-                            if l.declared and l.where is not None and l.where[0] is not None)
+        self.wheres = names.to_ask(l.where for l in cone.result.leaves)
         # The global state a call must still be in (the memo holds values computed under ``bits``):
         # the frame's entry state (what Dynamo's own global-state guard compares, but a
         # guard_filter_fn can drop that guard; not the state now: inside a traced ``no_grad``

@@ -187,7 +187,7 @@ class TabulatedOp:
         self.index_pos = index_pos
         self.module_index_pos = module_index_pos
         self.declared = declared
-        # The declared leaves' paths (names.declared_where): the memo checks a declared leaf by
+        # The declared leaves' paths (names.declaration): the memo checks a declared leaf by
         # identity only, so a call whose leaves are not the last checked ones must still be the
         # call they were declared in (the same code runs for a sibling of a module's own class
         # too): else the original graph runs.
@@ -546,7 +546,7 @@ def _rewrite(gm: fx.GraphModule, chosen: list, placeholders: list[fx.Node], leav
         ph.meta.update({key: v for key, v in env[node].meta.items() if key != "grapharg"})
         last = ph
         env[node].replace_all_uses_with(ph)
-        names = tuple(l.name for l in result.leaves)
+        leaf_names = tuple(l.name for l in result.leaves)
         by_source = {leaves[p].source: p for p in placeholders if p in leaves}
         leaf_pos = tuple(position[by_source[l.source]] for l in result.leaves)
         i = None if index is None else _int_value(leaves[index].example)
@@ -555,15 +555,14 @@ def _rewrite(gm: fx.GraphModule, chosen: list, placeholders: list[fx.Node], leav
         if result.speculative:
             detail += "; speculated invariant"
         d = _decision(node, op, Action.TABULATED, Reason.IN_OP_TABULATED, detail,
-                      names + ((cone.dotted_name(leaves[index].source),) if index is not None else ()), compile_id)
+                      leaf_names + ((cone.dotted_name(leaves[index].source),) if index is not None else ()), compile_id)
         out.decisions.append(d)
         out.ops.append(TabulatedOp(
             result.module, leaf_pos, None if index is None else position[index], result.index_pos,
             tuple(l.declared for l in result.leaves), d,
             (result.fingerprint, None if index is None else leaves[index].source, result.index_pos),
             None if index is None else _batch_for(result.module, op, cone._example(node)),
-            tuple((i, l.where) for i, l in enumerate(result.leaves)
-                  if l.declared and l.where is not None and l.where[0] is not None),
+            names.to_ask(l.where for l in result.leaves),
         ))
         out.examples.append(cone._example(node))
     # Drop what only the tabulated ops read (pure by construction: their cones passed analyze_cone).

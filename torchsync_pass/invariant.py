@@ -110,13 +110,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-def _invariant_leaf(n: fx.Node, declared: tuple[str, ...]) -> Optional[str]:
-    """The user name of a request-invariant tensor placeholder, or None."""
+def _invariant_leaf(n: fx.Node, declared: tuple[str, ...], wheres: dict) -> Optional[str]:
+    """The user name of a request-invariant tensor placeholder, or None; ``wheres[n]``, its
+    :func:`names.declaration` when it is declared."""
     leaf = dynamo_hooks.leaf_of(n)
     if leaf is None or not isinstance(leaf.example, torch.Tensor):
         return None
     name = cone.dotted_name(leaf.source)
-    decl = names.is_declared(name, declared, leaf.source, leaf.example)
+    where = wheres[n] = names.declaration(name, declared, leaf.source, leaf.example)
+    decl = where is not None
     # (also: the tensors of a list table that a rewritten read stacks, rewrite.py)
     if leaf.role not in ("parameter", "buffer") and not decl and not guarded(n) and not rewrite.is_table_leaf(n):
         return None
@@ -127,24 +129,6 @@ def _invariant_leaf(n: fx.Node, declared: tuple[str, ...]) -> Optional[str]:
     if symbolic.free_symbols_of(leaf.example, cone._example(n)):
         return None
     return name
-
-
-def _declared_wheres(graph: fx.Graph, leaf_index: tuple[int, ...], declared: tuple[str, ...]) -> tuple:
-    """``(position among the leaves, where)`` of each declared leaf (names.declared_where): what
-    the runner asks again of a call whose leaves are not the last call's (the same code runs for
-    another call of its function: a sibling of a module's own class, whose weight, undeclared,
-    must not be cached)."""
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    out = []
-    for k, i in enumerate(leaf_index):
-        leaf = dynamo_hooks.leaf_of(placeholders[i])
-        if leaf is None:
-            continue
-        name = cone.dotted_name(leaf.source)
-        where = names.declared_where(name, declared, leaf.source)
-        if where is not None and where[0] is not None and names.is_declared(name, declared, leaf.source, leaf.example):
-            out.append((k, where))
-    return tuple(out)
 
 
 def guarded(n: fx.Node) -> bool:
@@ -158,8 +142,9 @@ def guarded(n: fx.Node) -> bool:
     return bool(n.meta.get(cone.HOISTED_LEAF_META))
 
 
-def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx.Node], dict[fx.Node, str], set[int]]:
-    """(invariant nodes, leaf names, leaf storages)."""
+def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]
+                     ) -> tuple[set[fx.Node], dict[fx.Node, str], set[int], dict[fx.Node, Optional[tuple]]]:
+    """(invariant nodes, leaf names, leaf storages, each leaf's names.declaration)."""
     written = cone.written_storages(graph)
     output = next(iter(graph.find_nodes(op="output")))
     for o in cone._nodes_in(output.args):
@@ -167,17 +152,18 @@ def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx
         if key is not None:
             written.add(key)  # returned to the caller, who may write it
     inv: set[fx.Node] = set()
-    names: dict[fx.Node, str] = {}
+    leaf_names: dict[fx.Node, str] = {}
+    wheres: dict[fx.Node, Optional[tuple]] = {}
     leaf_storages: set[int] = set()
     for n in graph.nodes:
         key = cone.storage_of(n)
         if key is not None and key in written:
             continue
         if n.op == "placeholder":
-            name = _invariant_leaf(n, declared)
+            name = _invariant_leaf(n, declared, wheres)
             if name is not None:
                 inv.add(n)
-                names[n] = name
+                leaf_names[n] = name
                 if key is not None:
                     leaf_storages.add(key)
             continue
@@ -192,7 +178,7 @@ def _invariant_nodes(graph: fx.Graph, declared: tuple[str, ...]) -> tuple[set[fx
             continue  # belt and braces: written by an op the table does not know
         if all(i in inv for i in n.all_input_nodes):
             inv.add(n)
-    return inv, names, leaf_storages
+    return inv, leaf_names, leaf_storages, wheres
 
 
 def _decision(n: fx.Node, action: Action, reason: Reason, nbytes: int, leaves: tuple[str, ...],
@@ -233,7 +219,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         limit = DEFAULT_CACHE_BYTES if compile_step is None else 0
     if limit == 0 or cone._autocast_devices() or cone.global_state_change(graph) is not None:
         return InvariantSplit(False, gm.forward)
-    inv, names, leaf_storages = _invariant_nodes(graph, opts.invariant)
+    inv, leaf_names, leaf_storages, wheres = _invariant_nodes(graph, opts.invariant)
     compile_id = dynamo_hooks.current_compile_id()
     cached: list[fx.Node] = []
     decisions: list[Decision] = []
@@ -248,7 +234,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         if ex.requires_grad:
             continue  # it carries this call's autograd graph: a backward would free it
         nbytes = _nbytes(ex)
-        leaves = _ancestors_leaves(n, names)
+        leaves = _ancestors_leaves(n, leaf_names)
         if total + nbytes > limit:
             skipped.append(_decision(n, Action.NOT_CACHED, Reason.CACHE_BYTES, nbytes, leaves, compile_id))
             continue
@@ -265,8 +251,9 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
     if compile_step is not None:
         step = compile_step(step_gm, _step_examples(inv_gm, leaf_index, cached, example_inputs))
     size = max(1, min(MEMO_SIZE, limit // max(total, 1)))
+    placeholders = list(graph.find_nodes(op="placeholder"))
     runner = InvariantRunner(inv_gm, step, leaf_index, size, cone.written_inputs(graph), gm,
-                             _declared_wheres(graph, leaf_index, opts.invariant))
+                             names.to_ask(wheres.get(placeholders[i]) for i in leaf_index))
     return InvariantSplit(True, runner.call, decisions, skipped, runner, step_gm)
 
 
@@ -351,7 +338,7 @@ class InvariantRunner:
                  size: int, written: tuple[int, ...] = (), whole: Optional[fx.GraphModule] = None,
                  wheres: tuple = ()) -> None:
         self.invariant = invariant
-        # the declared leaves' paths (names.declared_where): a call whose leaves are not the last
+        # the declared leaves' paths (names.declaration): a call whose leaves are not the last
         # call's computes without caching unless they still name its leaves (see miss)
         self.wheres = wheres
         self.step = step

@@ -9,7 +9,7 @@ calls it, a module's hook or a callee after a graph break is compiled as a frame
 after a graph break runs in a resume function. So the names are resolved where they belong: in
 the function ``torch.compile`` was given, found on the stack (:func:`_entry_scope`: Dynamo's entry
 frame holds it and this call's arguments), unwrapped and bound to the arguments. A leaf is
-declared when its object is one a declared name resolves to (:func:`is_declared`).
+declared when a declared name's path resolves to its very object (:func:`declaration`).
 """
 
 from __future__ import annotations
@@ -33,18 +33,28 @@ from .errors import NosyncOptionsError
 log = logging.getLogger("torchsync_pass")
 
 
-def is_declared(name: str, declared: Iterable[str], source: str = "", obj: Any = None) -> bool:
-    """Is the leaf of user name ``name`` (the dotted form of its guard source ``source``), whose
-    object is ``obj`` now, among the declared names? :func:`declared_where` finds the path, and
-    the path resolves to ``obj`` itself in the compiled call's arguments."""
-    where = declared_where(name, declared, source)
-    return where is not None and (obj is None or where[0] is None or resolve(where, _torch_private.compile_entry()) is obj)
+def declaration(name: str, declared: Iterable[str], source: str = "", obj: Any = None) -> Optional[tuple]:
+    """``(scope, path, names)`` by which the leaf of user name ``name`` (the dotted form of its
+    guard source ``source``), whose object is ``obj`` now, is declared, or None: by path
+    (:func:`_declared_path`) and, in a compiled call, by object: the path resolves to ``obj``
+    itself in the call's arguments (:func:`resolve`). Scope None: outside a compiled call (by path
+    alone; nothing to ask again, :func:`to_ask`)."""
+    where = _declared_path(name, declared, source)
+    if where is None or where[0] is None or obj is None:
+        return where
+    return where if resolve(where, _torch_private.compile_entry()) is obj else None
 
 
-def declared_where(name: str, declared: Iterable[str], source: str = "") -> Optional[tuple]:
+def to_ask(wheres: Iterable[Optional[tuple]]) -> tuple:
+    """``(position, where)`` of each leaf's :func:`declaration` (None: not declared) that a
+    check asks again (:func:`still_declared`) when its leaves are not the last call's."""
+    return tuple((i, w) for i, w in enumerate(wheres) if w is not None and w[0] is not None)
+
+
+def _declared_path(name: str, declared: Iterable[str], source: str = "") -> Optional[tuple]:
     """``(scope, path, names)`` by which the leaf of user name ``name`` (``self.attn.mask``, the
-    dotted form of its guard source ``source``) is declared (``names``: the compile's declared
-    names, ``declared``), or None. By path, in the namespace of the
+    dotted form of its guard source ``source``) is declared by path (``names``: the compile's
+    declared names, ``declared``), or None. In the namespace of the
     function given to torch.compile (``mask`` declares an argument ``mask`` and ``self.mask``,
     ``self.mask`` only the module's): in that function's frame and its resume function's (for an
     argument it never assigns; not a variable it closes over), and in a wrapper's on the way to it
@@ -107,7 +117,7 @@ def _declares(owner: Any) -> Optional[tuple]:
 
 
 def resolve(where: tuple, found: Optional[tuple], entry: Optional["_Entry"] = None) -> Any:
-    """The object the declared path ``where`` (:func:`declared_where`) names in the compiled call
+    """The object the declared path ``where`` (:func:`declaration`) names in the compiled call
     ``found`` (:func:`_torch_private.compile_entry`; ``entry``, its :func:`_entry_scope` when
     known), or a fresh object (matching nothing) where it names none. Only in a call of a compile
     that declares the same names as the one the path was found in: Dynamo runs a cache entry's
@@ -158,26 +168,15 @@ def _by_name(name: str, declared: tuple) -> bool:
     return name in declared or (name.startswith("self.") and name[5:] in declared)
 
 
-def _is_resume(code: Any, fn_code: Any) -> bool:
-    """Is ``code`` a resume function of ``fn_code`` (the code after one of its graph breaks)?"""
-    return code.co_name.startswith("torch_dynamo_resume_in_") and _is_resume_slow(code, fn_code)
-
-
-@functools.lru_cache(maxsize=256)
-def _is_resume_slow(code: Any, fn_code: Any) -> bool:
+def _resume_of(code: Any, fn_code: Any, name: str) -> bool:
+    """Is ``code`` the resume function of ``fn_code`` (the code after a graph break) and the root
+    of ``name`` an argument ``fn_code`` never assigns (the same object there on every call)?"""
     resume = re.match(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$", code.co_name)
     if not resume or resume.group(1) != fn_code.co_name or code.co_filename != fn_code.co_filename:
         return False
     line = int(resume.group(2))
-    # not another function's, nor a nested function's of the same name
-    return _spans(fn_code, line) and not any(_spans(c, line) for c in fn_code.co_consts if isinstance(c, types.CodeType))
-
-
-def _resume_of(code: Any, fn_code: Any, name: str) -> bool:
-    """Is ``code`` the resume function of ``fn_code`` (the code after a graph break) and the root
-    of ``name`` an argument ``fn_code`` never assigns (the same object there on every call)?"""
-    if not _is_resume(code, fn_code):
-        return False
+    if not _spans(fn_code, line) or any(_spans(c, line) for c in fn_code.co_consts if isinstance(c, types.CodeType)):
+        return False  # another function's, or a nested function's of the same name
     stored = {i.argval for i in dis.get_instructions(fn_code) if i.opname in ("STORE_FAST", "DELETE_FAST", "STORE_DEREF")}
     root = name.split(".")[0]
     # (an argument a closure captures may be rebound by it: ``nonlocal mask``)
