@@ -110,6 +110,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
+def _owner_bytes(graph: fx.Graph) -> dict[Any, int]:
+    """The bytes of each storage the graph's tensors have, read from a tensor that owns it (not a
+    view): a cached view keeps its base's whole storage alive, not only its own elements."""
+    owners: dict[Any, int] = {}
+    for n in graph.nodes:
+        ex = cone._example(n)
+        if isinstance(ex, torch.Tensor) and not ex._is_view():
+            key = cone.storage_of(n)
+            if key is not None:
+                owners[key] = max(owners.get(key, 0), _nbytes(ex))
+    return owners
+
+
 def _invariant_leaf(n: fx.Node, declared: tuple[str, ...], wheres: dict) -> Optional[str]:
     """The user name of a request-invariant tensor placeholder, or None; ``wheres[n]``, its
     :func:`names.declaration` when it is declared."""
@@ -225,20 +238,25 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
     decisions: list[Decision] = []
     skipped: list[Decision] = []
     total = 0
+    owners = _owner_bytes(graph)
+    kept: set[Any] = set()  # the storages the cached tensors keep alive (counted once each)
     for n in graph.nodes:
         if n not in inv or n.op == "placeholder" or all(u in inv for u in n.users):
             continue
         ex = cone._example(n)
-        if not isinstance(ex, torch.Tensor) or cone.storage_of(n) in leaf_storages:
+        storage = cone.storage_of(n)
+        if not isinstance(ex, torch.Tensor) or storage in leaf_storages:
             continue  # not a tensor, or a view of an input: nothing to save
         if ex.requires_grad:
             continue  # it carries this call's autograd graph: a backward would free it
-        nbytes = _nbytes(ex)
+        # a view (a slice of a temporary) keeps its base's whole storage: count that, once
+        nbytes = 0 if storage in kept else max(_nbytes(ex), owners.get(storage, 0))
         leaves = _ancestors_leaves(n, leaf_names)
         if total + nbytes > limit:
             skipped.append(_decision(n, Action.NOT_CACHED, Reason.CACHE_BYTES, nbytes, leaves, compile_id))
             continue
         total += nbytes
+        kept.add(storage)
         cached.append(n)
         decisions.append(_decision(n, Action.CACHED, Reason.INVARIANT_TENSOR, nbytes, leaves, compile_id))
     for d in decisions + skipped:
