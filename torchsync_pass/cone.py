@@ -43,7 +43,7 @@ import struct
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import fx
@@ -373,10 +373,56 @@ def _bound_arguments(node: fx.Node) -> Optional[dict]:
     return None
 
 
+def _subgraphs(node: fx.Node) -> list[fx.Graph]:
+    """The graphs of the subgraph modules a higher-order op's node calls (``wrap``, ``cond``,
+    activation checkpointing, ...), read through its ``get_attr`` arguments."""
+    if node.op != "call_function" or not _torch_private.is_higher_order_op(node.target):
+        return []
+    root = node.graph.owning_module
+    out = []
+    for a in _nodes_in((node.args, node.kwargs)):
+        sub = getattr(root, a.target, None) if a.op == "get_attr" and isinstance(a.target, str) else None
+        if isinstance(sub, fx.GraphModule):
+            out.append(sub.graph)
+    return out
+
+
+def _subgraph_writes(node: fx.Node, written: Callable[[fx.Node], list[fx.Node]]) -> list[fx.Node]:
+    """Every tensor ``node`` passes to its subgraphs when a node in one of them (or in theirs) writes
+    something (``written``: :func:`written_nodes` or :func:`hidden_written_nodes`), or, for
+    :func:`written_nodes`, when one of them returns an operand or a view of it: the subgraph's
+    placeholders are the operands, and which operand each one is differs from op to op, so every
+    operand counts as written.
+
+    NOTE: ``torch.cond``'s output is a new tensor in the trace, but a branch returning ``t.view(4)``
+    makes it a view of the operand at run time: a write to the output, or the caller's, writes the
+    operand, which the analysis would take as unwritten (a cached operand, a buffer read by the
+    invariant part). Taken as written by the op itself instead."""
+    subs = _subgraphs(node)
+    if any(written(m) for g in subs for m in g.nodes) or (
+            written is written_nodes and any(_returns_an_input(g) for g in subs)):
+        return [n for n in _nodes_in((node.args, node.kwargs)) if n.op != "get_attr"]
+    return []
+
+
+def _returns_an_input(graph: fx.Graph) -> bool:
+    """Does ``graph`` return one of its inputs or a view of one (or a value the trace does not
+    describe)?"""
+    inputs = {_storage_key(_example(p)) for p in graph.find_nodes(op="placeholder")} - {None}
+    out = graph.find_nodes(op="output")
+    for n in _nodes_in(out[0].args if out else ()):
+        ex = _example(n)
+        if n.op == "placeholder" or ex is None or _storage_key(ex) in inputs:
+            return True
+    return False
+
+
 def hidden_written_nodes(node: fx.Node) -> list[fx.Node]:
     """The nodes ``node`` writes in place without bumping their version counter."""
     if node.op != "call_function":
         return []
+    if _torch_private.is_higher_order_op(node.target):
+        return _subgraph_writes(node, hidden_written_nodes)
     spec = _HIDDEN_WRITERS.get(_target_name(node).split(".")[0])
     if spec is None:
         return []
@@ -431,6 +477,7 @@ def written_nodes(node: fx.Node) -> list[fx.Node]:
     seen = dispatched(node)  # a Python function kept whole: the arguments it wrote on fake copies
     if seen is not None:
         written += seen[1]
+    written += _subgraph_writes(node, written_nodes)  # a write inside a higher-order op's subgraph
     return list(dict.fromkeys(written + hidden_written_nodes(node)))  # each node once, in order
 
 
@@ -683,16 +730,29 @@ def hidden_writes_to_hoisted(graph: fx.Graph) -> list[tuple[Any, str]]:
     out: list[tuple[Any, str]] = []
     if not leaves:
         return out
-    for n in graph.nodes:
-        # a write through ``leaf.data`` (or a view of it) bumps the version of the ``.data`` tensor,
-        # not the leaf's
-        through_data = [w for w in written_nodes(n) if _through_data(w)]
-        for target in hidden_written_nodes(n) + through_data:
-            leaf = leaves.get(storage_of(target))
-            if leaf is not None:
-                what = f"{_target_name(n)} writes {leaf.name} without bumping _version at {_where(n)}"
-                out += [(owner, what) for owner in leaf.meta[HOISTED_LEAF_META]]
+    for n, target in _hidden_writes(graph):
+        leaf = leaves.get(storage_of(target))
+        if leaf is not None:
+            what = f"{_target_name(n)} writes {leaf.name} without bumping _version at {_where(n)}"
+            out += [(owner, what) for owner in leaf.meta[HOISTED_LEAF_META]]
     return out
+
+
+def _hidden_writes(graph: fx.Graph) -> Iterable[tuple[fx.Node, fx.Node]]:
+    """``(writer, written)`` for each write of the graph that leaves the written tensor's version as
+    it was: a batch norm in training mode, a write through ``t.data`` (or a view of it), which bumps
+    the version of the ``.data`` tensor, not the tensor's."""
+    for n in graph.nodes:
+        for target in hidden_written_nodes(n) + [w for w in written_nodes(n) if _through_data(w)]:
+            yield n, target
+
+
+def hidden_written_inputs(graph: fx.Graph) -> list[int]:
+    """The positions of the graph's inputs that it writes without bumping their version (see
+    :func:`_hidden_writes`)."""
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    written = {storage_of(t) for _, t in _hidden_writes(graph)} - {None}
+    return [i for i, p in enumerate(placeholders) if storage_of(p) in written]
 
 
 def _through_data(node: fx.Node) -> bool:

@@ -1199,6 +1199,37 @@ def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
     return False
 
 
+def bump_hidden_writes(written: list[int], compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, or, when the graph writes its inputs at ``written`` (positions, from
+    :func:`cone.hidden_written_inputs`, read before codegen) without bumping their version (a
+    batch norm in training mode on a buffer of another name, ``t.data.add_``), a wrapper that bumps
+    their version after each call: the next graph of the function (after a graph break), another
+    compiled function, or this graph's next call would take what it hoisted or cached from them
+    as still current (Note [Writes behind the version counter across graphs])."""
+    if not written:
+        return compiled
+
+    @functools.wraps(compiled)
+    def run(*args: Any) -> Any:
+        try:
+            return compiled(*args)
+        finally:
+            for i in written:
+                t = args[i] if i < len(args) else None
+                if isinstance(t, torch.Tensor) and not t.is_inference():
+                    torch.autograd.graph.increment_version(t)
+
+    return run
+
+
+# Note [Writes behind the version counter across graphs]
+# Within one graph, a hidden write to a hoisted leaf demotes its site (demote_hidden_writes), and one
+# to an invariant leaf makes the cone impure. A graph cannot see the writes of another graph, such as
+# the one before a graph break in the same function, run at every call: so the graph that writes
+# bumps the version itself, which every check (guards, the invariant runner, tables) reads. An
+# inference tensor has no version to bump (a write to one is a documented blind spot).
+
+
 def demote_hidden_writes(graph: Any, compile_id: Optional[str]) -> None:
     """Rule 5: demote every site hoisted from a leaf that the graph writes behind the version
     counter (unless all its leaves are declared: then the user promised the value does not change)."""
