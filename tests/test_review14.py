@@ -204,3 +204,63 @@ def test_cond_output_aliases_its_operand(case):
                 got[1].add_(100)  # the caller owns its outputs
                 want[1].add_(100)
 
+
+def test_verify_under_inference_mode():
+    # reading an inference tensor's _version failed the compile (BackendCompilerFailed)
+    def f(x, s):
+        return x * s.item() + 1
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    g = torch.compile(f, backend="nosync", options={**EAGER, "verify": True, "strict": True})
+    with torch.inference_mode():
+        x, s = torch.randn(4), torch.tensor(2.0)
+        assert_bitwise(g(x, s), f(x, s))
+    from torchsync_pass.backend import compiled_graphs
+
+    (entry,) = compiled_graphs()[-1:]
+    assert entry["verified"].status.name == "PASSED", entry["verified"]
+
+
+def test_verify_inference_input_written_differently():
+    # an inference input written in place is compared (its version cannot say whether it was)
+    from torchsync_pass.verify import verify_compiled
+
+    def write(x, by=1.0):
+        x.add_(by)
+        return x.sum() * 0  # the same output either way: only the written input differs
+
+    gm = torch.fx.symbolic_trace(write)
+    with torch.inference_mode(), pytest.warns(UserWarning, match="not bitwise equal"):
+        res = verify_compiled(gm, lambda x: write(x, 2.0), [torch.zeros(3)], strict=False, name="t")
+    assert res.status.name == "FAILED" and [m.path for m in res] == ["input[0]"], res
+
+
+def test_compare_numpy_values():
+    np = pytest.importorskip("numpy")
+    from torchsync_pass.verify import compare_outputs
+
+    assert compare_outputs(np.float64(1.5), np.float64(1.5)) == []  # raised 'cannot hoist float64'
+    assert compare_outputs(np.zeros(3), np.zeros(3)) == []  # 'cannot compare ndarray'
+    assert compare_outputs(np.float64(0.0), np.float64(-0.0))  # passed as equal
+    assert compare_outputs(np.ones(1, dtype=np.float32), np.ones(1))  # dtypes differ: passed
+
+
+def test_max_ulp_distance_negative_bit():
+    from torchsync_pass.verify import compare_outputs, max_ulp_distance
+
+    e = torch.tensor([1 + 2j]).conj().imag  # a view with the negative bit, -2.0
+    a = torch.tensor([-2.0000002])
+    assert max_ulp_distance(e, a) == 1
+    (m,) = compare_outputs(e, a)
+    assert m.max_ulp == 1
+
+
+def test_count_syncs_notes_a_profiler_started_inside():
+    x = torch.randn(4)
+    with torchsync_pass.count_syncs() as c:
+        x.sum().item()
+        with torch.profiler.profile():
+            x.sum().item()
+        x.sum().item()
+    assert any("profiler session started inside" in n for n in c.notes), c.notes

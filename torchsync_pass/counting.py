@@ -1039,7 +1039,7 @@ class _Session:
 
     def _restart(self) -> None:
         want = [r for r in self._recs if r.want_profiler]
-        if not want or self._paused:  # a compile in progress restarts it when done
+        if not want or self._paused or self.profiling:  # a compile in progress restarts it when done
             return
         prof = _Profiler(stacks=any(r.want_stacks for r in want))
         try:
@@ -1053,14 +1053,25 @@ class _Session:
             self._chunk_end = time.monotonic() + PROFILER_CHUNK_S
             for r in want:
                 r.profiled = True
+        elif any(r.profiled for r in want):  # another profiler took over (one started inside)
+            self.resume_pending = True  # try again at the next safe point: it may have ended
+            for r in want:
+                if CUT_NOTE not in r.notes:
+                    r.notes.append(CUT_NOTE)
 
     def _flush(self) -> None:
         prof, self._prof = self._prof, None
         self.profiling = False
         if prof is None:
             return
+        # NOTE: Kineto runs one session: a torch.profiler.profile() entered and left inside the
+        # counted code ends ours too, and what ours had recorded is gone
+        cut = not _torch_private.profiler_enabled()
         raw = prof.stop()
         recs = [r for r in self._recs if r.want_profiler]
+        for r in recs if cut else ():
+            if CUT_NOTE not in r.notes:
+                r.notes.append(CUT_NOTE)
         try:
             if not raw or not recs:
                 return
@@ -1080,6 +1091,11 @@ class _Session:
             r.cuda.by_site.update(cuda.by_site)
 
 
+CUT_NOTE = (
+    "a profiler session started inside the counted code (torch.profiler.profile, "
+    "torch.autograd.profiler.profile) stopped the counter's own for a while: syncs only the profiler sees "
+    "(torch.equal(a, b), torch.nonzero(x), syncs inside ops and compiled graphs) are undercounted"
+)
 UNREADABLE_NOTE = (
     "some profiler events could not be read on torch {version}: syncs only the profiler sees "
     "(torch.equal(a, b), torch.nonzero(x), syncs inside ops and compiled graphs) may be undercounted"

@@ -229,8 +229,8 @@ def max_ulp_distance(expected: torch.Tensor, actual: torch.Tensor) -> int | None
     """
     if expected.dtype != actual.dtype or expected.shape != actual.shape:
         raise ValueError("max_ulp_distance needs tensors of the same dtype and shape")
-    e = _real_view(expected).detach()
-    a = _real_view(actual).detach()
+    e = _real_view(expected).detach().resolve_neg()  # a view refuses a tensor with the negative bit
+    a = _real_view(actual).detach().resolve_neg()
     int_dtype = _ULP_INT.get(e.dtype)
     if int_dtype is None:
         return None
@@ -392,6 +392,9 @@ def _walk(path: str, e: Any, a: Any, out: list[Mismatch]) -> None:
     if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor):  # subclasses are not compared
         _compare_tensors(path, e, a, out)
         return
+    if _is_numpy(e) and _is_numpy(a) and type(e) is type(a):
+        _compare_numpy(path, e, a, out)
+        return
     ce, ca = _children(e), _children(a)
     if type(e) is not type(a):
         out.append(Mismatch(path, (Diff.TYPE,), f"type {type(e).__name__} vs {type(a).__name__}"))
@@ -413,6 +416,26 @@ def _walk(path: str, e: Any, a: Any, out: list[Mismatch]) -> None:
             _walk(f"{path}.{part}", getattr(e, part), getattr(a, part), out)
     else:
         _compare_objects(path, e, a, out)
+
+
+def _is_numpy(x: Any) -> bool:
+    np = sys.modules.get("numpy")  # never imported here: a value can be numpy only once it is
+    return np is not None and isinstance(x, (np.ndarray, np.generic))
+
+
+def _compare_numpy(path: str, e: Any, a: Any, out: list[Mismatch]) -> None:
+    """A numpy array or scalar (``np.float64`` is a ``float``), compared as a tensor of its dtype:
+    bits, dtype and shape."""
+    np = sys.modules["numpy"]
+    try:
+        te = torch.from_numpy(np.array(e, copy=True, order="C"))
+        ta = torch.from_numpy(np.array(a, copy=True, order="C"))
+    except TypeError:  # a dtype torch does not have (object, str, ...)
+        same = e.dtype == a.dtype and e.shape == a.shape and bool(np.array_equal(e, a))
+        if not same:
+            out.append(Mismatch(path, (Diff.VALUE,), f"numpy values differ: {e!r} vs {a!r}"[:240]))
+        return
+    _compare_tensors(path, te, ta, out)
 
 
 def _compare_floats(path: str, e: float, a: float, out: list[Mismatch]) -> None:
@@ -642,22 +665,35 @@ class _ModuleState:
             if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter):
                 found.setdefault(id(obj), (str(node.target), obj))
         self.items = list(found.values())
-        self.saved = [(t._version, t.detach().clone()) for _, t in self.items]
-        self.params = [(n, p, p._version) for n, p in gm.named_parameters()]
+        self.saved = [(_version(t), t.detach().clone()) for _, t in self.items]
+        self.params = [(n, p, _version(p)) for n, p in gm.named_parameters()]
 
     def written(self) -> dict[str, torch.Tensor]:
-        return {name: snapshot(t) for (name, t), (v0, _) in zip(self.items, self.saved) if t._version != v0}
+        return {name: snapshot(t) for (name, t), (v0, _) in zip(self.items, self.saved) if _written(t, v0)}
 
     def restore(self) -> None:
         with torch.no_grad():
             for (_, t), (v0, val) in zip(self.items, self.saved):
-                if t._version != v0:
-                    t.copy_(val)
+                if _written(t, v0):
+                    with torch.inference_mode(t.is_inference()):  # a write to one needs the mode
+                        t.copy_(val)
         # Record the restored versions so the next run's writes are detected again.
-        self.saved = [(t._version, val) for (_, t), (_, val) in zip(self.items, self.saved)]
+        self.saved = [(_version(t), val) for (_, t), (_, val) in zip(self.items, self.saved)]
 
     def written_params(self) -> list[str]:
-        return [n for n, p, v in self.params if p._version != v]
+        return [n for n, p, v in self.params if _written(p, v)]
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t._version``; None for an inference tensor, which has none (verification under
+    ``torch.inference_mode()``, the usual serving set-up, raised reading it)."""
+    return None if t.is_inference() else t._version
+
+
+def _written(t: torch.Tensor, version: int | None) -> bool:
+    """May ``t`` have been written since it was at ``version``? (Always, for an inference tensor:
+    then its values are compared.)"""
+    return version is None or t._version != version
 
 
 def _node_source(node: Any) -> str:
@@ -806,7 +842,7 @@ class _Run:
 def _run_once(fn: Callable[..., Any], values: Sequence[Any], state: _ModuleState, rng: _RngState) -> _Run:
     """Run ``fn`` on fresh clones of ``values``; put the module's buffers and the RNG back after."""
     inputs = snapshot(list(values))
-    run = _Run(inputs, [v._version if isinstance(v, torch.Tensor) else None for v in inputs])
+    run = _Run(inputs, [_version(v) if isinstance(v, torch.Tensor) else None for v in inputs])
     try:
         run.out = fn(*inputs)
     except Exception as exc:
@@ -830,7 +866,7 @@ def _compare_runs(ref: _Run, act: _Run) -> list[Mismatch]:
     for i, (e, a) in enumerate(zip(exp_list, act_list)):
         mismatches.extend(compare_outputs(e, a, root=f"out[{i}]"))
     for i, (r, a) in enumerate(zip(ref.inputs, act.inputs)):
-        if isinstance(r, torch.Tensor) and (r._version != ref.versions[i] or a._version != act.versions[i]):
+        if isinstance(r, torch.Tensor) and (_written(r, ref.versions[i]) or _written(a, act.versions[i])):
             mismatches.extend(compare_outputs(r, a, root=f"input[{i}]"))
     for key in sorted(set(ref.written) | set(act.written)):
         if key not in ref.written or key not in act.written:

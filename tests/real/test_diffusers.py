@@ -277,3 +277,25 @@ def test_euler_churn_with_a_float_dynamo_passes_as_a_tensor(dynamic):
     assert len(got) == len(ref) == 10
     for a, b in zip(got, ref):
         assert_bitwise(a, b)
+
+
+def test_readme_explain_output_is_what_the_command_prints():
+    # the README's abridged explain output went stale (it said 3/5 syncs and 15 in all, the
+    # command printed 2/4 and 13): its per-request lines and total are checked against a run
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    readme = open(os.path.join(root, "README.md")).read()
+    cmd = "python -m torchsync_pass.explain examples/diffusers_pipeline.py --denoiser tiny --backend nosync"
+    section = readme[readme.index(cmd):]
+    section = section[: section.index("## Verification")]
+    pattern = r"^(request \d: syncs per step .*|Host syncs: \d+)"
+    want = re.findall(pattern, section, re.M)
+    out = subprocess.run([sys.executable, *cmd.split()[1:]], cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = [re.sub(r"\s+\(CPU-only.*", "", line) for line in re.findall(pattern, out.stdout, re.M)]
+    want = [re.sub(r"\s+\(CPU-only.*", "", line) for line in want]
+    assert len(want) == 3 and got == want, (got, want)
