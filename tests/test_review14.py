@@ -121,6 +121,31 @@ def test_hidden_write_in_another_compiled_function():
     assert counters()["hoisted"] >= 1
 
 
+
+def test_hidden_write_to_a_saved_parameter_keeps_eager_backward():
+    # bumping the version of a parameter autograd saved in the same call failed the backward that
+    # eager runs (on the written values)
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    p = torch.nn.Parameter(torch.ones(3))
+
+    def f(x):
+        y = (x * p * p).sum()
+        p.data.add_(1.0)
+        return y
+
+    g = torch.compile(f, backend="nosync", options=EAGER)
+    x = torch.ones(3)
+    want = f(x)
+    want.backward()
+    want_grad, p.grad = p.grad.clone(), None
+    with torch.no_grad():
+        p.fill_(1.0)
+    got = g(x)
+    got.backward()
+    assert_bitwise(got, want)
+    assert_bitwise(p.grad, want_grad)
+
 class _HopWriter(torch.nn.Module):
     """Writes its buffer inside a higher-order op's subgraph, then reads it."""
 

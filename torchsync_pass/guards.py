@@ -1211,12 +1211,17 @@ def bump_hidden_writes(written: list[int], compiled: Callable[..., Any]) -> Call
 
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
+        grad = torch.is_grad_enabled()
         try:
             return compiled(*args)
         finally:
             for i in written:
                 t = args[i] if i < len(args) else None
-                if isinstance(t, torch.Tensor) and not t.is_inference():
+                # NOTE: not a tensor that requires grad under grad mode: autograd may have saved it
+                # in this call, and a bump would fail the backward that eager runs (on the written
+                # values); nothing is hoisted (undeclared) or cached from it in that mode
+                if (isinstance(t, torch.Tensor) and not t.is_inference()
+                        and not (grad and t.requires_grad)):
                     torch.autograd.graph.increment_version(t)
 
     return run
