@@ -15,6 +15,18 @@ from test_core import assert_bitwise
 EAGER = {"codegen": "eager"}
 
 
+def _same_as_eager(module, x, calls=3):
+    """``module`` compiled by nosync (eager codegen) is bitwise equal to a deep copy run eagerly,
+    call after call, under no_grad."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    e = copy.deepcopy(module)
+    f = torch.compile(module, backend="nosync", options=EAGER)
+    with torch.no_grad():
+        for _ in range(calls):
+            assert_bitwise(f(x), e(x))
+
+
 def test_cached_view_counts_its_base_storage():
     # (table * 2)[:4] keeps the whole 4 MB temporary alive: counted by its 16 bytes, a 1 MiB limit
     # held 4 MB per request (8 requests: 32 MB)
@@ -88,15 +100,7 @@ class _HiddenWriter(torch.nn.Module):
 def test_hidden_write_in_another_graph(writer, reader, write_first):
     # the graph after (or before) a graph break wrote the buffer without bumping its version: the
     # other graph's hoisted value / cached tensor was served stale from the second call on
-    torch._dynamo.reset()
-    torchsync_pass.reset()
-    m = _HiddenWriter(writer, reader, write_first)
-    e = copy.deepcopy(m)
-    f = torch.compile(m, backend="nosync", options=EAGER)
-    x = torch.arange(8.0).view(2, 4)
-    with torch.no_grad():
-        for _ in range(3):
-            assert_bitwise(f(x), e(x))
+    _same_as_eager(_HiddenWriter(writer, reader, write_first), torch.arange(8.0).view(2, 4))
 
 
 def test_hidden_write_in_another_compiled_function():
@@ -177,15 +181,7 @@ class _HopWriter(torch.nn.Module):
 def test_write_inside_higher_order_op(kind, reader):
     # the invariant part (buf * 3) ran before the step, on the buffer before the subgraph's write:
     # wrong on every call
-    torch._dynamo.reset()
-    torchsync_pass.reset()
-    m = _HopWriter(kind, reader)
-    e = copy.deepcopy(m)
-    f = torch.compile(m, backend="nosync", options=EAGER)
-    x = torch.zeros(4)
-    with torch.no_grad():
-        for _ in range(3):
-            assert_bitwise(f(x), e(x))
+    _same_as_eager(_HopWriter(kind, reader), torch.zeros(4))
 
 
 class _CondView(torch.nn.Module):
@@ -289,3 +285,54 @@ def test_count_syncs_notes_a_profiler_started_inside():
             x.sum().item()
         x.sum().item()
     assert any("profiler session started inside" in n for n in c.notes), c.notes
+
+
+
+class _HopDataWriter(torch.nn.Module):
+    """Writes its buffer through .data inside activation checkpointing, and reads it after a
+    graph break."""
+
+    def __init__(self, reader: str) -> None:
+        super().__init__()
+        self.reader = reader
+        self.register_buffer("mm", torch.zeros(4))
+
+    def block(self, x):
+        self.mm.data.add_(1.0)
+        return x * 2
+
+    def forward(self, x):
+        y = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        torch._dynamo.graph_break()
+        if self.reader == "cached":
+            return y + self.mm * 3
+        return y * self.mm.sum().item()
+
+
+@pytest.mark.parametrize("reader", ["cached", "hoisted"])
+def test_hidden_write_inside_higher_order_op_seen_by_the_next_graph(reader):
+    _same_as_eager(_HopDataWriter(reader), torch.ones(4))
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("buf", torch.arange(3.0) + 0.5)
+
+    def forward(self, x):
+        return x[:, None] * self.buf.exp()[None, :]
+
+
+@pytest.mark.inductor
+def test_inductor_dynamic_sizes_with_invariant_cache():
+    # the cached buf.exp() (3 elements) was duck-sized to x's symbol (3 at the trace): a call with
+    # 5 elements failed Inductor's input assert
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    m = _Scaled()
+    ns = torch.compile(m, backend="nosync", dynamic=True, options={"invariant_cache_bytes": 1 << 20})
+    stock = torch.compile(m, backend="inductor", dynamic=True)
+    with torch.no_grad():
+        for n in (3, 5):
+            x = torch.randn(n)
+            assert_bitwise(ns(x), stock(x))

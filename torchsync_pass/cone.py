@@ -399,7 +399,7 @@ def _subgraph_writes(node: fx.Node, written: Callable[[fx.Node], list[fx.Node]])
     operand, which the analysis would take as unwritten (a cached operand, a buffer read by the
     invariant part). Taken as written by the op itself instead."""
     subs = _subgraphs(node)
-    if any(written(m) for g in subs for m in g.nodes) or (
+    if any(written(m) for g in subs for m in g.nodes if m.op != "output") or (
             written is written_nodes and any(_returns_an_input(g) for g in subs)):
         return [n for n in _nodes_in((node.args, node.kwargs)) if n.op != "get_attr"]
     return []
@@ -422,7 +422,7 @@ def hidden_written_nodes(node: fx.Node) -> list[fx.Node]:
     if node.op != "call_function":
         return []
     if _torch_private.is_higher_order_op(node.target):
-        return _subgraph_writes(node, hidden_written_nodes)
+        return _subgraph_writes(node, _hidden_targets)
     spec = _HIDDEN_WRITERS.get(_target_name(node).split(".")[0])
     if spec is None:
         return []
@@ -743,8 +743,16 @@ def _hidden_writes(graph: fx.Graph) -> Iterable[tuple[fx.Node, fx.Node]]:
     it was: a batch norm in training mode, a write through ``t.data`` (or a view of it), which bumps
     the version of the ``.data`` tensor, not the tensor's."""
     for n in graph.nodes:
-        for target in hidden_written_nodes(n) + [w for w in written_nodes(n) if _through_data(w)]:
+        for target in _hidden_targets(n):
             yield n, target
+
+
+def _hidden_targets(n: fx.Node) -> list[fx.Node]:
+    """What ``n`` writes without bumping its version (a higher-order op: every operand, when its
+    subgraph has such a write)."""
+    if n.op == "call_function" and _torch_private.is_higher_order_op(n.target):
+        return hidden_written_nodes(n)
+    return hidden_written_nodes(n) + [w for w in written_nodes(n) if _through_data(w)]
 
 
 def hidden_written_inputs(graph: fx.Graph) -> list[int]:

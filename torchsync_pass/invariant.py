@@ -232,6 +232,12 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         limit = DEFAULT_CACHE_BYTES if compile_step is None else 0
     if limit == 0 or cone._autocast_devices() or cone.global_state_change(graph) is not None:
         return InvariantSplit(False, gm.forward)
+    if compile_step is not None and _symbolic(graph):
+        # NOTE: Inductor would take the cached tensors (real, not in Dynamo's tracing context) as
+        # new dynamic inputs and duck-size them: one of the size of an input at the trace got
+        # that input's symbol, and a call with another input size failed its assert
+        log.debug("nosync: a graph with symbolic sizes is not split under Inductor")
+        return InvariantSplit(False, gm.forward)
     inv, leaf_names, leaf_storages, wheres = _invariant_nodes(graph, opts.invariant)
     compile_id = dynamo_hooks.current_compile_id()
     cached: list[fx.Node] = []
@@ -273,6 +279,16 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
     runner = InvariantRunner(inv_gm, step, leaf_index, size, cone.written_inputs(graph), gm,
                              names.to_ask(wheres.get(placeholders[i]) for i in leaf_index))
     return InvariantSplit(True, runner.call, decisions, skipped, runner, step_gm)
+
+
+def _symbolic(graph: fx.Graph) -> bool:
+    """Does an input of ``graph`` have a symbolic size or stride, or is one a symbolic int?"""
+    for p in graph.find_nodes(op="placeholder"):
+        ex = cone._example(p)
+        if isinstance(ex, torch.SymInt) or (isinstance(ex, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in (*ex.shape, *ex.stride()))):
+            return True
+    return False
 
 
 def _step_examples(inv_gm: fx.GraphModule, leaf_index: tuple[int, ...], cached: list[fx.Node],
