@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import fx
 
-from . import _torch_private, names, symbolic
+from . import _torch_private, dynamo_hooks, names, symbolic
 from .report import Reason, SiteKey
 
 log = logging.getLogger(__name__)
@@ -381,7 +381,12 @@ def _subgraphs(node: fx.Node) -> list[fx.Graph]:
     root = node.graph.owning_module
     out = []
     for a in _nodes_in((node.args, node.kwargs)):
-        sub = getattr(root, a.target, None) if a.op == "get_attr" and isinstance(a.target, str) else None
+        if a.op != "get_attr" or not isinstance(a.target, str):
+            continue
+        # NOTE: during Dynamo's trace the graph has no owning module yet: its subgraphs are kept by
+        # the tracer (a write inside one was missed by the trace's analysis, right only from the
+        # backend on: the call the graph was traced for was served the value from before it)
+        sub = getattr(root, a.target, None) if root is not None else dynamo_hooks.traced_submodule(a.target)
         if isinstance(sub, fx.GraphModule):
             out.append(sub.graph)
     return out

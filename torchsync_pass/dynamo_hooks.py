@@ -554,6 +554,18 @@ def is_nosync_guard(entry: Any) -> bool:
     return GUARD_NAME_PREFIX in str(getattr(entry, "name", ""))
 
 
+def traced_submodule(name: str) -> Any:
+    """The module a ``get_attr`` node of the graph Dynamo is tracing names (a higher-order op's
+    subgraph: Dynamo keeps them in its output graph until it builds the GraphModule, so the node's
+    graph has no owning module yet); None outside a trace or for an unknown name."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx().output.nn_modules.get(name)
+    except Exception:  # not inside a trace
+        return None
+
+
 def require_guard(compiled: Callable, merge: Optional[Callable[..., Optional[Callable]]] = None) -> Callable:
     """Wrap the graph being compiled so that it refuses to run when its nosync guard was dropped.
 

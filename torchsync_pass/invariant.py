@@ -123,6 +123,12 @@ def _owner_bytes(graph: fx.Graph) -> dict[Any, int]:
     return owners
 
 
+def _base_bytes(t: torch.Tensor) -> int:
+    """The storage's bytes of a view (its base may be no node of the graph: a slice made inside a
+    function kept whole, ``allow_in_graph``); 0 for a tensor that is no view."""
+    return t.untyped_storage().nbytes() if t._is_view() else 0
+
+
 def _invariant_leaf(n: fx.Node, declared: tuple[str, ...], wheres: dict) -> Optional[str]:
     """The user name of a request-invariant tensor placeholder, or None; ``wheres[n]``, its
     :func:`names.declaration` when it is declared."""
@@ -256,7 +262,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         if ex.requires_grad:
             continue  # it carries this call's autograd graph: a backward would free it
         # a view (a slice of a temporary) keeps its base's whole storage: count that, once
-        nbytes = 0 if storage in kept else max(_nbytes(ex), owners.get(storage, 0))
+        nbytes = 0 if storage in kept else max(_nbytes(ex), owners.get(storage, 0), _base_bytes(ex))
         leaves = _ancestors_leaves(n, leaf_names)
         if total + nbytes > limit:
             skipped.append(_decision(n, Action.NOT_CACHED, Reason.CACHE_BYTES, nbytes, leaves, compile_id))
