@@ -388,3 +388,48 @@ def test_hidden_write_inside_higher_order_op_seen_at_the_trace(kind):
     # the trace's analysis could not open the subgraph (the graph has no owning module yet): the
     # call the graph was traced for was served the sum from before the write
     _same_as_eager(_HopBatchNormThenRead(kind), torch.arange(8.0).view(2, 4))
+
+
+
+class _SavedThenWritten(torch.nn.Module):
+    """A buffer autograd saves (multiplied by an input that requires grad), then written through
+    .data; or batch norm in training mode inside activation checkpointing (every operand of the
+    checkpoint, the input autograd saved included, counts as written)."""
+
+    def __init__(self, case: str) -> None:
+        super().__init__()
+        self.case = case
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.arange(1.0, 5.0))
+        self.register_buffer("moving_mean", torch.zeros(4))
+        self.register_buffer("moving_var", torch.ones(4))
+
+    def block(self, x):
+        return torch.nn.functional.batch_norm(self.lin(x), self.moving_mean, self.moving_var,
+                                              training=True, momentum=0.1)
+
+    def forward(self, x):
+        if self.case == "buffer":
+            y = (x * self.scale).sum()
+            self.scale.data.mul_(0.5)
+            return y
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False).sum()
+
+
+@pytest.mark.parametrize("case", ["buffer", "checkpoint"])
+def test_hidden_write_under_autograd_keeps_eager_backward(case):
+    # the bump of a tensor autograd saved in the call (a buffer, the checkpoint's input) failed the
+    # backward eager runs
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    m = _SavedThenWritten(case)
+    e = copy.deepcopy(m)
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    for i in range(2):
+        xs = [(torch.arange(32.0).view(8, 4) / (i + 1)).requires_grad_() for _ in range(2)]
+        got, want = f(xs[0]), e(xs[1])
+        got.backward()
+        want.backward()
+        assert_bitwise(got, want)
+        assert_bitwise(xs[0].grad, xs[1].grad)

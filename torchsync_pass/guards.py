@@ -1211,17 +1211,17 @@ def bump_hidden_writes(written: list[int], compiled: Callable[..., Any]) -> Call
 
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
-        grad = torch.is_grad_enabled()
+        # NOTE: not when autograd may record this call (grad mode, an input that requires grad): it
+        # may save a written tensor (a buffer multiplied by an input that requires grad, a
+        # checkpoint's operands), and a bump would fail the backward that eager runs
+        recorded = torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         try:
             return compiled(*args)
         finally:
-            for i in written:
+            for i in written if not recorded else ():
                 t = args[i] if i < len(args) else None
-                # NOTE: not a tensor that requires grad under grad mode: autograd may have saved it
-                # in this call, and a bump would fail the backward that eager runs (on the written
-                # values); nothing is hoisted (undeclared) or cached from it in that mode
-                if (isinstance(t, torch.Tensor) and not t.is_inference()
-                        and not (grad and t.requires_grad)):
+                if isinstance(t, torch.Tensor) and not t.is_inference():
                     torch.autograd.graph.increment_version(t)
 
     return run
