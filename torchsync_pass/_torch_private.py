@@ -103,11 +103,14 @@ def no_fake_mode() -> Any:
     return unset_fake_temporarily()
 
 
-def dispatched_ops(fn: Callable, args: tuple, kwargs: dict) -> Optional[tuple[list, list]]:
+def dispatched_ops(fn: Callable, args: tuple, kwargs: dict,
+                   hidden_writers: Optional[dict] = None) -> Optional[tuple[list, list]]:
     """``(aten overloads, written tensors)``: what ``fn(*args, **kwargs)`` dispatches, run on fake
     copies of the fake tensors among ``args``/``kwargs`` (a graph node's example values) under
     their fake mode, and which of those tensors (the originals) it wrote. None when there is no
-    fake tensor or the run fails."""
+    fake tensor or the run fails. ``hidden_writers``: ``{op name: (names of the arguments it
+    writes, name of the flag that must be true for it to write them, or "")}``, for ops whose
+    schema does not say they write (``native_batch_norm`` in training mode)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
@@ -119,11 +122,29 @@ def dispatched_ops(fn: Callable, args: tuple, kwargs: dict) -> Optional[tuple[li
         return None
     (fake_mode,) = modes.values()
     ops: list = []
+    storages: set = set()  # of the tensors an op's schema says it writes
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, a=(), kw=None):  # noqa: ANN001 - torch's protocol
             ops.append(func)
-            return func(*a, **(kw or {}))
+            # NOTE: by storage, not only by version: a write through ``t.data`` (a tensor with a
+            # version counter of its own), and batch norm in training mode (its running statistics
+            # are ``Tensor(a!)`` in the schema of the op it dispatches, but their version does not
+            # move), leave the argument's version as it was
+            kw = kw or {}
+            bound = {arg.name: (kw.get(arg.name) if arg.kwarg_only or i >= len(a) else a[i])
+                     for i, arg in enumerate(func._schema.arguments)}
+            names = [arg.name for arg in func._schema.arguments
+                     if arg.alias_info is not None and arg.alias_info.is_write]
+            spec = (hidden_writers or {}).get(func._schema.name.split("::")[-1])
+            if spec is not None and (not spec[1] or bound.get(spec[1]) is True):
+                names += list(spec[0])
+            for name in names:
+                val = bound.get(name)
+                for t in val if isinstance(val, (list, tuple)) else (val,):
+                    if isinstance(t, torch.Tensor):
+                        storages.add(storage_id(t))
+            return func(*a, **kw)
 
     try:
         with fake_mode:
@@ -135,7 +156,8 @@ def dispatched_ops(fn: Callable, args: tuple, kwargs: dict) -> Optional[tuple[li
     except Exception:
         log.debug("could not run %r on fake inputs", fn, exc_info=True)
         return None
-    written = [orig for orig, x, v in zip(flat, copies, versions) if v is not None and x._version != v]
+    written = [orig for orig, x, v in zip(flat, copies, versions)
+               if v is not None and (x._version != v or storage_id(x) in storages)]
     return ops, written
 
 

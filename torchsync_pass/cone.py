@@ -171,7 +171,7 @@ def dispatched(node: fx.Node) -> Optional[tuple[list, list[fx.Node]]]:
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), example)
     out = None
     if all(_torch_private.example_value(n) is not None for n in nodes):
-        run = _torch_private.dispatched_ops(t, args, kwargs)
+        run = _torch_private.dispatched_ops(t, args, kwargs, _HIDDEN_WRITERS)
         if run is not None:  # the written example values, back to their nodes
             by_example = {id(_torch_private.example_value(n)): n for n in nodes}
             written = [by_example[id(x)] for x in run[1] if id(x) in by_example]
@@ -757,7 +757,9 @@ def _hidden_targets(n: fx.Node) -> list[fx.Node]:
     subgraph has such a write)."""
     if n.op == "call_function" and _torch_private.is_higher_order_op(n.target):
         return hidden_written_nodes(n)
-    return hidden_written_nodes(n) + [w for w in written_nodes(n) if _through_data(w)]
+    seen = dispatched(n)  # a function kept whole: its writes may be hidden ones (t.data, batch norm)
+    return hidden_written_nodes(n) + [w for w in written_nodes(n) if _through_data(w)] + (
+        seen[1] if seen is not None else [])
 
 
 def hidden_written_inputs(graph: fx.Graph) -> list[int]:

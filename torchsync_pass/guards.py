@@ -1199,7 +1199,8 @@ def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
     return False
 
 
-def bump_hidden_writes(written: list[int], compiled: Callable[..., Any]) -> Callable[..., Any]:
+def bump_hidden_writes(written: list[int], compiled: Callable[..., Any],
+                       changes_state: bool = False) -> Callable[..., Any]:
     """``compiled``, or, when the graph writes its inputs at ``written`` (positions, from
     :func:`cone.hidden_written_inputs`, read before codegen) without bumping their version (a
     batch norm in training mode on a buffer of another name, ``t.data.add_``), a wrapper that bumps
@@ -1214,7 +1215,8 @@ def bump_hidden_writes(written: list[int], compiled: Callable[..., Any]) -> Call
         # NOTE: not when autograd may record this call (grad mode, an input that requires grad): it
         # may save a written tensor (a buffer multiplied by an input that requires grad, a
         # checkpoint's operands), and a bump would fail the backward that eager runs
-        recorded = torch.is_grad_enabled() and any(
+        # (``changes_state``: the graph may turn grad mode on inside, torch.enable_grad())
+        recorded = (changes_state or torch.is_grad_enabled()) and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         try:
             return compiled(*args)
