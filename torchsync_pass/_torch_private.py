@@ -150,14 +150,16 @@ def dispatched_ops(fn: Callable, args: tuple, kwargs: dict,
         with fake_mode:
             copies = [x.clone() if is_fake(x) else x for x in flat]
             versions = [x._version if is_fake(x) else None for x in copies]
+            # ``t.data = other`` swaps the storage without a version bump or an op
+            before = [storage_id(x) if is_fake(x) else None for x in copies]
             a, kw = torch.utils._pytree.tree_unflatten(copies, spec)
             with Record():
                 fn(*a, **kw)
     except Exception:
         log.debug("could not run %r on fake inputs", fn, exc_info=True)
         return None
-    written = [orig for orig, x, v in zip(flat, copies, versions)
-               if v is not None and (x._version != v or storage_id(x) in storages)]
+    written = [orig for orig, x, v, st in zip(flat, copies, versions, before)
+               if v is not None and (x._version != v or storage_id(x) in storages or storage_id(x) != st)]
     return ops, written
 
 

@@ -252,8 +252,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         # NOTE: copy before codegen: Inductor's pre-grad passes rewrite gm in place.
         reference = verify.reference_graph(gm)
     guards.demote_hidden_writes(gm.graph, compile_id)
-    hidden_written = cone.hidden_written_inputs(gm.graph)  # before codegen, which rewrites gm
-    changes_state = bool(hidden_written) and cone.global_state_change(gm.graph) is not None
+    hidden_written = bool(cone.hidden_written_inputs(gm.graph))  # before codegen, which rewrites gm
     guards.guard_written_inputs(gm.graph, compile_id)
     if cone.remove_dead_cones(gm):
         log.debug("nosync: removed the dead cones of hoisted syncs from graph %s", compile_id)
@@ -268,7 +267,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
                     opts.codegen, exc_info=True)
         compiled = gm.forward
     compiled = rewrite.restore_state_on_error(gm, compiled)
-    compiled = guards.bump_hidden_writes(hidden_written, compiled, changes_state)
+    compiled = guards.forget_after_hidden_writes(hidden_written, compiled)
     entry = {"graph": gm, "codegen": opts.codegen, "mode": mode, "compile_id": compile_id,
              "verified": None}
     if reference is not None:

@@ -764,10 +764,17 @@ def _hidden_targets(n: fx.Node) -> list[fx.Node]:
 
 def hidden_written_inputs(graph: fx.Graph) -> list[int]:
     """The positions of the graph's inputs that it writes without bumping their version (see
-    :func:`_hidden_writes`)."""
+    :func:`_hidden_writes`), but a module's batch-norm running statistics: nothing is hoisted or
+    cached from a buffer named so unless declared (a promise that nothing writes it)."""
     placeholders = list(graph.find_nodes(op="placeholder"))
     written = {storage_of(t) for _, t in _hidden_writes(graph)} - {None}
-    return [i for i, p in enumerate(placeholders) if storage_of(p) in written]
+    return [i for i, p in enumerate(placeholders) if storage_of(p) in written and not _running_stat(p)]
+
+
+def _running_stat(p: fx.Node) -> bool:
+    leaf = dynamo_hooks.leaf_of(p)
+    return (leaf is not None and leaf.role == "buffer"
+            and dotted_name(leaf.source).rsplit(".", 1)[-1] in HIDDEN_WRITTEN_BUFFERS)
 
 
 def _through_data(node: fx.Node) -> bool:
@@ -775,7 +782,8 @@ def _through_data(node: fx.Node) -> bool:
     through the tuple of a view op that returns several)?"""
     key = storage_of(node)
     for _ in range(64):
-        if _target_name(node) == "_get_data_attr":
+        # (a function kept whole may return ``t.data[:2]``: the trace cannot tell, so it counts)
+        if _target_name(node) == "_get_data_attr" or dispatched(node) is not None:
             return True
         first = node.args[0] if node.op in ("call_function", "call_method") and node.args else None
         # NOTE: a view op returning several (unbind, chunk, split) is a tuple between the view and

@@ -323,6 +323,11 @@ class ConeMemo:
         self.lock = threading.Lock()
         self.on_dead = on_dead  # called after a leaf of an entry died (the entry is dropped)
 
+    def clear(self) -> None:
+        """Forget every entry (the memo object stays: checks hold it)."""
+        with self.lock:
+            self.entries.clear()
+
     def lookup(self, leaves: tuple) -> Optional[_Entry]:
         # Hot path (every guard evaluation): plain loops, no generators, no helper calls for the
         # common single-leaf cone.
@@ -425,6 +430,16 @@ class ConeState:
     last_miss: Optional[_Entry] = None
     memos: dict = field(default_factory=dict)  # bits_state() -> ConeMemo
     streak_keys: set = field(default_factory=set)  # values the guard computed during the streak
+
+    def __post_init__(self) -> None:
+        forgettable(self)
+
+    def forget(self) -> None:
+        """Drop the memoised values (a write behind the version counter, Note [Writes behind the
+        version counter across graphs])."""
+        for memo in self.memos.values():  # NOTE: emptied, not dropped: each SiteCheck holds its own
+            memo.clear()
+        self.last_miss = None
 
     def memo_for(self, bits: tuple) -> ConeMemo:
         memo = self.memos.get(bits)
@@ -946,8 +961,7 @@ class SiteCheck:
     def _fail_aliased(self) -> bool:
         # NOTE: the write may not move the leaf's version (through .data, a wrapper subclass): the
         # values memoised from the leaf, and every entry's fast path (the epoch), are forgotten
-        self.cone.memos.clear()
-        self.cone.last_miss = None
+        self.cone.forget()
         _DEMOTIONS[0] += 1
         return self._fail("an argument the graph writes in place shares memory with a hoisted leaf")
 
@@ -1065,8 +1079,7 @@ class SiteCheck:
         ]
         def aliased_call() -> bool:  # every cone of the entry: see _fail_aliased
             for chk in checks[1:]:
-                chk.cone.memos.clear()
-                chk.cone.last_miss = None
+                chk.cone.forget()
             last[0] = None
             return first._fail_aliased()
 
@@ -1199,32 +1212,23 @@ def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
     return False
 
 
-def bump_hidden_writes(written: list[int], compiled: Callable[..., Any],
-                       changes_state: bool = False) -> Callable[..., Any]:
-    """``compiled``, or, when the graph writes its inputs at ``written`` (positions, from
-    :func:`cone.hidden_written_inputs`, read before codegen) without bumping their version (a
-    batch norm in training mode on a buffer of another name, ``t.data.add_``), a wrapper that bumps
-    their version after each call: the next graph of the function (after a graph break), another
-    compiled function, or this graph's next call would take what it hoisted or cached from them
-    as still current (Note [Writes behind the version counter across graphs])."""
+def forget_after_hidden_writes(written: bool, compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, or, when the graph writes an input without bumping its version (``written``,
+    from :func:`cone.hidden_written_inputs`, read before codegen: a batch norm in training mode on a
+    buffer of another name, ``t.data.add_``, also inside a higher-order op or a function kept
+    whole), a wrapper that forgets every memoised value after each call (:func:`forget_all`): the
+    next graph of the function (after a graph break), another compiled function, or this graph's
+    next call would take what it hoisted or cached from them as still current (Note [Writes behind
+    the version counter across graphs])."""
     if not written:
         return compiled
 
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
-        # NOTE: not when autograd may record this call (grad mode, an input that requires grad): it
-        # may save a written tensor (a buffer multiplied by an input that requires grad, a
-        # checkpoint's operands), and a bump would fail the backward that eager runs
-        # (``changes_state``: the graph may turn grad mode on inside, torch.enable_grad())
-        recorded = (changes_state or torch.is_grad_enabled()) and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         try:
             return compiled(*args)
         finally:
-            for i in written if not recorded else ():
-                t = args[i] if i < len(args) else None
-                if isinstance(t, torch.Tensor) and not t.is_inference():
-                    torch.autograd.graph.increment_version(t)
+            forget_all()
 
     return run
 
@@ -1233,8 +1237,26 @@ def bump_hidden_writes(written: list[int], compiled: Callable[..., Any],
 # Within one graph, a hidden write to a hoisted leaf demotes its site (demote_hidden_writes), and one
 # to an invariant leaf makes the cone impure. A graph cannot see the writes of another graph, such as
 # the one before a graph break in the same function, run at every call: so the graph that writes
-# bumps the version itself, which every check (guards, the invariant runner, tables) reads. An
-# inference tensor has no version to bump (a write to one is a documented blind spot).
+# makes every memo forget (the cones', the invariant runners', the tabulated ops'), and every
+# guard's fast path fail once (the demotion epoch). Bumping the written tensor's version instead
+# broke autograd: a tensor saved for a backward (before the call, in it, inside a function kept
+# whole that turns grad mode on) failed that backward, which eager runs on the written values.
+# The price: after each call of such a graph (a training step with batch norm on buffers of
+# other names), every hoisted site asks its question again (one sync each) on its next call.
+_FORGETTABLE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def forgettable(obj: Any) -> None:
+    """Register ``obj``, which memoises values computed from tensors (a ``forget()`` method), with
+    :func:`forget_all`."""
+    _FORGETTABLE[id(obj)] = obj
+
+
+def forget_all() -> None:
+    """Forget every value memoised from tensors, and fail every guard's fast path once."""
+    for obj in list(_FORGETTABLE.values()):
+        obj.forget()
+    _DEMOTIONS[0] += 1
 
 
 def demote_hidden_writes(graph: Any, compile_id: Optional[str]) -> None:

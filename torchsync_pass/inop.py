@@ -72,7 +72,7 @@ import torch
 from torch import fx
 
 from . import cone, dynamo_hooks, names
-from .guards import MEMO_SIZE, ConeMemo, counters, record_decision, value_state
+from .guards import MEMO_SIZE, ConeMemo, counters, forgettable, record_decision, value_state
 from .report import Action, Decision, Reason
 from .tables import TableTooLarge, _int_value, _only_indexes, _SIZE_SOURCES, index_range
 
@@ -162,6 +162,12 @@ class _Tables:
         self.memos: dict[tuple, ConeMemo] = {}
         self.recent: list[Table] = []  # the newest tables computed, to notice leaves that never repeat
         self.demoted = False
+        forgettable(self)
+
+    def forget(self) -> None:
+        """Drop the tables (Note [Writes behind the version counter across graphs])."""
+        for memo in self.memos.values():
+            memo.clear()
 
 
 _SHARED: "weakref.WeakValueDictionary[tuple, _Tables]" = weakref.WeakValueDictionary()
@@ -403,7 +409,7 @@ class TabulatedStep:
         if self.written and self.aliased(args):
             counters()["table_fallbacks"] += 1
             for op in self.ops:  # the write may not move the input's version (.data, a subclass)
-                op.shared.memos.clear()
+                op.shared.forget()
             return self.original(*args)
         extra = []
         for op in self.ops:

@@ -80,7 +80,7 @@ import torch
 from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, names, rewrite, symbolic
-from .guards import (MEMO_SIZE, ConeMemo, counters, fast_key, precision_reader, record_decision,
+from .guards import (MEMO_SIZE, ConeMemo, counters, fast_key, forgettable, precision_reader, record_decision,
                      same_call_expr, value_state)
 from .report import Action, Decision, Reason
 
@@ -397,6 +397,7 @@ class InvariantRunner:
         # under the caller's), checked here even when a guard_filter_fn drops Dynamo's
         # global-state guard.
         self.memos: dict[tuple, ConeMemo] = {}
+        forgettable(self)
         # The last call's answer: (grad mode, weak refs and guards.fast_key of its leaves, values,
         # the check of a snapshot of the global state Dynamo guards (grad mode, autocast, thread
         # count, default dtype, ...: _torch_private.global_state_now), the per-backend precisions,
@@ -439,11 +440,15 @@ class InvariantRunner:
                 raise
             return None
 
+    def forget(self) -> None:
+        """Drop the cached values (Note [Writes behind the version counter across graphs])."""
+        self.memos, self.last = {}, None
+
     def run_whole(self, args: tuple) -> Any:
         counters()["invariant_aliased_calls"] += 1
         # the write may not move the leaf's version (through .data, a wrapper subclass): forget
         # the values computed from it
-        self.memos, self.last = {}, None
+        self.forget()
         return self._whole_fn(*args)
 
     def miss(self, args: tuple) -> Any:
