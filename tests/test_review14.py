@@ -562,3 +562,53 @@ def test_data_alias_made_inside_a_function_kept_whole(case):
     # write (stale after a graph break); t.data = other inside one swapped the storage unseen
     # (the sync after it was hoisted from the old storage)
     _same_as_eager(_OpaqueDataAlias(case), torch.arange(4.0))
+
+
+
+def test_batch_norm_statistic_read_under_another_name_by_another_function():
+    # the batch norm graph's write to running_mean was exempt from forgetting (a buffer of that
+    # name is never a leaf undeclared), but another function read the tensor as an argument and
+    # hoisted its sum: served from before the writes
+    def hoist(x, s):
+        return x * s.sum().item()
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    bn = torch.nn.BatchNorm1d(4)
+    ref = copy.deepcopy(bn)
+    step = torch.compile(bn, backend="nosync", options=EAGER)
+    reader = torch.compile(hoist, backend="nosync", options=EAGER)
+    x = torch.ones(4)
+    with torch.no_grad():
+        for i in range(4):
+            batch = torch.randn(8, 4, generator=torch.Generator().manual_seed(i))
+            step(batch)
+            ref(batch)
+            assert_bitwise(reader(x, bn.running_mean), hoist(x, ref.running_mean))
+
+
+@torch._dynamo.allow_in_graph
+def head_view(t):
+    return t[:2]
+
+
+def test_forgetting_spares_what_was_not_written():
+    # a graph whose writes count as hidden made every memo forget: an unrelated function's hoisted
+    # site asked again (one sync) at every call
+    def writer(x, buf):
+        head_view(buf).add_(1.0)
+        return x + 1
+
+    def reader(x, s):
+        return x * s.sum().item()
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    f = torch.compile(writer, backend="nosync", options=EAGER)
+    g = torch.compile(reader, backend="nosync", options=EAGER)
+    buf, s, x = torch.zeros(4), torch.ones(3), torch.ones(3)
+    with torch.no_grad():
+        for _ in range(6):
+            f(x, buf)
+            assert_bitwise(g(x, s), reader(x, s))
+    assert counters()["guard_syncs"] == 0, dict(counters())

@@ -764,17 +764,10 @@ def _hidden_targets(n: fx.Node) -> list[fx.Node]:
 
 def hidden_written_inputs(graph: fx.Graph) -> list[int]:
     """The positions of the graph's inputs that it writes without bumping their version (see
-    :func:`_hidden_writes`), but a module's batch-norm running statistics: nothing is hoisted or
-    cached from a buffer named so unless declared (a promise that nothing writes it)."""
+    :func:`_hidden_writes`)."""
     placeholders = list(graph.find_nodes(op="placeholder"))
     written = {storage_of(t) for _, t in _hidden_writes(graph)} - {None}
-    return [i for i, p in enumerate(placeholders) if storage_of(p) in written and not _running_stat(p)]
-
-
-def _running_stat(p: fx.Node) -> bool:
-    leaf = dynamo_hooks.leaf_of(p)
-    return (leaf is not None and leaf.role == "buffer"
-            and dotted_name(leaf.source).rsplit(".", 1)[-1] in HIDDEN_WRITTEN_BUFFERS)
+    return [i for i, p in enumerate(placeholders) if storage_of(p) in written]
 
 
 def _through_data(node: fx.Node) -> bool:

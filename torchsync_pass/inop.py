@@ -164,10 +164,11 @@ class _Tables:
         self.demoted = False
         forgettable(self)
 
-    def forget(self) -> None:
-        """Drop the tables (Note [Writes behind the version counter across graphs])."""
-        for memo in self.memos.values():
-            memo.clear()
+    def forget(self, storages: set) -> None:
+        """Drop the tables computed from tensors with these storages (Note [Writes behind the
+        version counter across graphs])."""
+        for memo in list(self.memos.values()):
+            memo.forget(storages)
 
 
 _SHARED: "weakref.WeakValueDictionary[tuple, _Tables]" = weakref.WeakValueDictionary()
@@ -409,7 +410,7 @@ class TabulatedStep:
         if self.written and self.aliased(args):
             counters()["table_fallbacks"] += 1
             for op in self.ops:  # the write may not move the input's version (.data, a subclass)
-                op.shared.forget()
+                op.shared.memos.clear()
             return self.original(*args)
         extra = []
         for op in self.ops:
