@@ -587,16 +587,14 @@ def test_batch_norm_statistic_read_under_another_name_by_another_function():
             assert_bitwise(reader(x, bn.running_mean), hoist(x, ref.running_mean))
 
 
-@torch._dynamo.allow_in_graph
-def head_view(t):
-    return t[:2]
 
+def test_hidden_write_to_memory_another_tensor_reads():
+    # two tensors over one NumPy array (two storage objects, one memory): a write through .data to
+    # one was not forgotten for the other's hoisted sum when forgetting went by storage object
+    np = pytest.importorskip("numpy")
 
-def test_forgetting_spares_what_was_not_written():
-    # a graph whose writes count as hidden made every memo forget: an unrelated function's hoisted
-    # site asked again (one sync) at every call
     def writer(x, buf):
-        head_view(buf).add_(1.0)
+        buf.data.add_(1.0)
         return x + 1
 
     def reader(x, s):
@@ -606,9 +604,9 @@ def test_forgetting_spares_what_was_not_written():
     torchsync_pass.reset()
     f = torch.compile(writer, backend="nosync", options=EAGER)
     g = torch.compile(reader, backend="nosync", options=EAGER)
-    buf, s, x = torch.zeros(4), torch.ones(3), torch.ones(3)
+    arr = np.zeros(4, dtype=np.float32)
+    buf, s, x = torch.from_numpy(arr), torch.from_numpy(arr), torch.ones(3)
     with torch.no_grad():
-        for _ in range(6):
+        for _ in range(4):
             f(x, buf)
             assert_bitwise(g(x, s), reader(x, s))
-    assert counters()["guard_syncs"] == 0, dict(counters())

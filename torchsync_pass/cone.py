@@ -764,7 +764,9 @@ def _hidden_targets(n: fx.Node) -> list[fx.Node]:
 
 def hidden_written_inputs(graph: fx.Graph) -> list[int]:
     """The positions of the graph's inputs that it writes without bumping their version (see
-    :func:`_hidden_writes`)."""
+    :func:`_hidden_writes`). NOTE: a module's batch-norm running statistics too: nothing is hoisted
+    or cached from a buffer named so, but another function may read the tensor under another name
+    (an argument)."""
     placeholders = list(graph.find_nodes(op="placeholder"))
     written = {storage_of(t) for _, t in _hidden_writes(graph)} - {None}
     return [i for i, p in enumerate(placeholders) if storage_of(p) in written]

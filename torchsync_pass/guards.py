@@ -312,15 +312,6 @@ class _Entry:
     hits: int = 0  # call-time guard evaluations answered by this entry
 
 
-def _reads(refs: tuple, storages: set) -> bool:
-    """Does a live tensor among the weak references ``refs`` have its storage in ``storages``?"""
-    for r in refs:
-        t = r()
-        if t is not None and _torch_private.storage_id(t) in storages:
-            return True
-    return False
-
-
 class ConeMemo:
     """LRU of leaf identity/version -> value for one cone under one :func:`bits_state`."""
 
@@ -332,11 +323,10 @@ class ConeMemo:
         self.lock = threading.Lock()
         self.on_dead = on_dead  # called after a leaf of an entry died (the entry is dropped)
 
-    def forget(self, storages: set) -> None:
-        """Drop the entries computed from a tensor whose storage is in ``storages`` (the memo object
-        stays: checks hold it)."""
+    def clear(self) -> None:
+        """Forget every entry (the memo object stays: checks hold it)."""
         with self.lock:
-            self.entries = [e for e in self.entries if not _reads(e.refs, storages)]
+            self.entries.clear()
 
     def lookup(self, leaves: tuple) -> Optional[_Entry]:
         # Hot path (every guard evaluation): plain loops, no generators, no helper calls for the
@@ -444,13 +434,12 @@ class ConeState:
     def __post_init__(self) -> None:
         forgettable(self)
 
-    def forget(self, storages: set) -> None:
-        """Drop the values memoised from tensors with these storages (a write behind the version
-        counter, Note [Writes behind the version counter across graphs])."""
-        for memo in list(self.memos.values()):  # NOTE: not dropped: each SiteCheck holds its own
-            memo.forget(storages)
-        if self.last_miss is not None and _reads(self.last_miss.refs, storages):
-            self.last_miss = None
+    def forget(self) -> None:
+        """Drop the memoised values (a write behind the version counter, Note [Writes behind the
+        version counter across graphs])."""
+        for memo in self.memos.values():  # NOTE: emptied, not dropped: each SiteCheck holds its own
+            memo.clear()
+        self.last_miss = None
 
     def memo_for(self, bits: tuple) -> ConeMemo:
         memo = self.memos.get(bits)
@@ -972,8 +961,7 @@ class SiteCheck:
     def _fail_aliased(self) -> bool:
         # NOTE: the write may not move the leaf's version (through .data, a wrapper subclass): the
         # values memoised from the leaf, and every entry's fast path (the epoch), are forgotten
-        self.cone.memos.clear()
-        self.cone.last_miss = None
+        self.cone.forget()
         _DEMOTIONS[0] += 1
         return self._fail("an argument the graph writes in place shares memory with a hoisted leaf")
 
@@ -1091,8 +1079,7 @@ class SiteCheck:
         ]
         def aliased_call() -> bool:  # every cone of the entry: see _fail_aliased
             for chk in checks[1:]:
-                chk.cone.memos.clear()
-                chk.cone.last_miss = None
+                chk.cone.forget()
             last[0] = None
             return first._fail_aliased()
 
@@ -1225,14 +1212,14 @@ def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
     return False
 
 
-def forget_after_hidden_writes(written: list[int], compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled``, or, when the graph writes its inputs at ``written`` (positions, from
-    :func:`cone.hidden_written_inputs`, read before codegen) without bumping their version (a batch
-    norm in training mode, ``t.data.add_``, also inside a higher-order op or a function kept
-    whole), a wrapper that, after each call, forgets every value memoised from a tensor sharing
-    storage with one of them (:func:`forget`): the next graph of the function (after a graph
-    break), another compiled function, or this graph's next call would take what it hoisted or
-    cached from them as still current (Note [Writes behind the version counter across graphs])."""
+def forget_after_hidden_writes(written: bool, compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, or, when the graph writes an input without bumping its version (``written``,
+    from :func:`cone.hidden_written_inputs`, read before codegen: a batch norm in training mode on a
+    buffer of another name, ``t.data.add_``, also inside a higher-order op or a function kept
+    whole), a wrapper that forgets every memoised value after each call (:func:`forget_all`): the
+    next graph of the function (after a graph break), another compiled function, or this graph's
+    next call would take what it hoisted or cached from them as still current (Note [Writes behind
+    the version counter across graphs])."""
     if not written:
         return compiled
 
@@ -1241,8 +1228,7 @@ def forget_after_hidden_writes(written: list[int], compiled: Callable[..., Any])
         try:
             return compiled(*args)
         finally:
-            forget({_torch_private.storage_id(args[i]) for i in written
-                    if i < len(args) and isinstance(args[i], torch.Tensor)})
+            forget_all()
 
     return run
 
@@ -1250,33 +1236,33 @@ def forget_after_hidden_writes(written: list[int], compiled: Callable[..., Any])
 # Note [Writes behind the version counter across graphs]
 # Within one graph, a hidden write to a hoisted leaf demotes its site (demote_hidden_writes), and one
 # to an invariant leaf makes the cone impure. A graph cannot see the writes of another graph, such as
-# the one before a graph break in the same function, run at every call, nor can it tell under which
-# name another graph reads the tensor (a running_mean passed as an argument): so the graph that
-# writes makes every memo forget what it computed from the written storages (the cones', the
-# invariant runners', the tabulated ops'), and every guard's fast path fail once (the demotion
-# epoch: the slow path's memo lookups answer for every other leaf). Bumping the written tensor's
-# version instead broke autograd: a tensor saved for a backward (before the call, in it, inside a
+# the one before a graph break in the same function, run at every call: so the graph that writes
+# makes every memo forget (the cones', the invariant runners', the tabulated ops'), and every
+# guard's fast path fail once (the demotion epoch). Everything, not only what was computed from
+# the written tensor: another function may read its memory under another name, through another
+# storage object (two torch.from_numpy of one array), a wrapper subclass's inner tensor, or
+# after the writer swapped the storage (t.data = other). Bumping the written tensor's version
+# instead broke autograd: a tensor saved for a backward (before the call, in it, inside a
 # function kept whole that turns grad mode on) failed that backward, which eager runs.
+# The price: after each call of such a graph (a training step with batch norm), every hoisted
+# site asks its question again (one sync each) on its next call.
 _FORGETTABLE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _FORGET_LOCK = threading.Lock()
 
 
 def forgettable(obj: Any) -> None:
-    """Register ``obj``, which memoises values computed from tensors (a ``forget(storages)``
-    method), with :func:`forget`."""
+    """Register ``obj``, which memoises values computed from tensors (a ``forget()`` method), with
+    :func:`forget_all`."""
     with _FORGET_LOCK:
         _FORGETTABLE[id(obj)] = obj
 
 
-def forget(storages: set) -> None:
-    """Forget every value memoised from a tensor with one of these storages, and fail every
-    guard's fast path once."""
-    if not storages:
-        return
-    with _FORGET_LOCK:
+def forget_all() -> None:
+    """Forget every value memoised from tensors, and fail every guard's fast path once."""
+    with _FORGET_LOCK:  # a registration from another thread (a compile) must not break the walk
         objs = list(_FORGETTABLE.values())
     for obj in objs:
-        obj.forget(storages)
+        obj.forget()
     _DEMOTIONS[0] += 1
 
 

@@ -164,11 +164,10 @@ class _Tables:
         self.demoted = False
         forgettable(self)
 
-    def forget(self, storages: set) -> None:
-        """Drop the tables computed from tensors with these storages (Note [Writes behind the
-        version counter across graphs])."""
-        for memo in list(self.memos.values()):
-            memo.forget(storages)
+    def forget(self) -> None:
+        """Drop the tables (Note [Writes behind the version counter across graphs])."""
+        for memo in self.memos.values():
+            memo.clear()
 
 
 _SHARED: "weakref.WeakValueDictionary[tuple, _Tables]" = weakref.WeakValueDictionary()
@@ -410,7 +409,7 @@ class TabulatedStep:
         if self.written and self.aliased(args):
             counters()["table_fallbacks"] += 1
             for op in self.ops:  # the write may not move the input's version (.data, a subclass)
-                op.shared.memos.clear()
+                op.shared.forget()
             return self.original(*args)
         extra = []
         for op in self.ops:

@@ -80,7 +80,7 @@ import torch
 from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, names, rewrite, symbolic
-from .guards import (MEMO_SIZE, ConeMemo, _reads, counters, fast_key, forgettable, precision_reader, record_decision,
+from .guards import (MEMO_SIZE, ConeMemo, counters, fast_key, forgettable, precision_reader, record_decision,
                      same_call_expr, value_state)
 from .report import Action, Decision, Reason
 
@@ -440,20 +440,15 @@ class InvariantRunner:
                 raise
             return None
 
-    def forget(self, storages: set) -> None:
-        """Drop the values cached from tensors with these storages (Note [Writes behind the
-        version counter across graphs])."""
-        for memo in list(self.memos.values()):
-            memo.forget(storages)
-        last = self.last
-        if last is not None and _reads(last[1], storages):
-            self.last = None
+    def forget(self) -> None:
+        """Drop the cached values (Note [Writes behind the version counter across graphs])."""
+        self.memos, self.last = {}, None
 
     def run_whole(self, args: tuple) -> Any:
         counters()["invariant_aliased_calls"] += 1
         # the write may not move the leaf's version (through .data, a wrapper subclass): forget
         # the values computed from it
-        self.memos, self.last = {}, None
+        self.forget()
         return self._whole_fn(*args)
 
     def miss(self, args: tuple) -> Any:
