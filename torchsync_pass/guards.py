@@ -312,6 +312,15 @@ class _Entry:
     hits: int = 0  # call-time guard evaluations answered by this entry
 
 
+class _Fps(tuple):
+    """Fingerprints, with the number of :func:`forget_all` calls when they were taken."""
+
+    def __new__(cls, fps: tuple) -> "_Fps":
+        self = super().__new__(cls, fps)
+        self.forgets = _FORGETS[0]
+        return self
+
+
 class ConeMemo:
     """LRU of leaf identity/version -> value for one cone under one :func:`bits_state`."""
 
@@ -378,7 +387,7 @@ class ConeMemo:
 
     def fingerprints(self, leaves: tuple) -> tuple:
         """What :meth:`store` keys an entry by; take it *before* computing the value (see store)."""
-        return _fingerprints(leaves, self.declared)
+        return _Fps(_fingerprints(leaves, self.declared))
 
     def store(self, leaves: tuple, key: Any, value: Any, fps: Optional[tuple] = None) -> _Entry:
         """Remember ``value`` for ``leaves`` as they were when ``fps = self.fingerprints(leaves)``
@@ -390,6 +399,8 @@ class ConeMemo:
         if fps is None:
             fps = _fingerprints(leaves, self.declared)
         e = _Entry(tuple([weakref.ref(t, dead) for t in leaves]), fps, key, value)
+        if isinstance(fps, _Fps) and fps.forgets != _FORGETS[0]:
+            return e  # a hidden write was forgotten while it was computed (another thread): not kept
         with self.lock:
             live = [e]
             for x in self.entries:
@@ -1248,6 +1259,8 @@ def forget_after_hidden_writes(written: bool, compiled: Callable[..., Any]) -> C
 # site asks its question again (one sync each) on its next call.
 _FORGETTABLE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _FORGET_LOCK = threading.Lock()
+# forget_all calls so far: a value computed across one (another thread's write) is not memoised
+_FORGETS = [0]
 
 
 def forgettable(obj: Any) -> None:
@@ -1259,6 +1272,7 @@ def forgettable(obj: Any) -> None:
 
 def forget_all() -> None:
     """Forget every value memoised from tensors, and fail every guard's fast path once."""
+    _FORGETS[0] += 1
     with _FORGET_LOCK:  # a registration from another thread (a compile) must not break the walk
         objs = list(_FORGETTABLE.values())
     for obj in objs:

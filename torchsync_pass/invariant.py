@@ -79,7 +79,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import fx
 
-from . import _torch_private, cone, dynamo_hooks, names, rewrite, symbolic
+from . import _torch_private, cone, dynamo_hooks, guards, names, rewrite, symbolic
 from .guards import (MEMO_SIZE, ConeMemo, counters, fast_key, forgettable, precision_reader, record_decision,
                      same_call_expr, value_state)
 from .report import Action, Decision, Reason
@@ -506,8 +506,10 @@ class InvariantRunner:
             if values is None:
                 return None
             e = memo.store(leaves, None, values, fps)
-        # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped.
-        self.last = (grad, e.refs, key, e.value, check, precisions, inference)
+        # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped;
+        # nor values computed across a forget_all (another thread's write behind the version)
+        if getattr(fps, "forgets", None) == guards._FORGETS[0]:
+            self.last = (grad, e.refs, key, e.value, check, precisions, inference)
         return e.value
 
 

@@ -430,7 +430,7 @@ def _compare_numpy(path: str, e: Any, a: Any, out: list[Mismatch]) -> None:
     try:
         te = torch.from_numpy(np.array(e, copy=True, order="C"))
         ta = torch.from_numpy(np.array(a, copy=True, order="C"))
-    except TypeError:  # a dtype torch does not have (object, str, ...)
+    except (TypeError, ValueError):  # a dtype torch does not have (object, str, a byte order)
         same = e.dtype == a.dtype and e.shape == a.shape and bool(np.array_equal(e, a))
         if not same:
             out.append(Mismatch(path, (Diff.VALUE,), f"numpy values differ: {e!r} vs {a!r}"[:240]))
