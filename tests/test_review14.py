@@ -39,26 +39,30 @@ def _same_as_eager(module, x, calls=3):
             assert_bitwise(f(x), e(x))
 
 
+def _run_with_a_1mib_cache(step, table):
+    """Two calls of ``step(x, table)`` compiled with ``invariant_cache_bytes`` of 1 MiB and the
+    table declared, each bitwise equal to eager."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    f = torch.compile(step, backend="nosync",
+                      options={**EAGER, "invariant_cache_bytes": 1 << 20, "invariant": ["table"]})
+    x = torch.ones(4)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_bitwise(f(x, table), step(x, table))
+
+
 def test_cached_view_counts_its_base_storage():
     # (table * 2)[:4] keeps the whole 4 MB temporary alive: counted by its 16 bytes, a 1 MiB limit
     # held 4 MB per request (8 requests: 32 MB)
     def step(x, table):
         return x + (table * 2)[:4]
 
-    torch._dynamo.reset()
-    torchsync_pass.reset()
-    f = torch.compile(step, backend="nosync",
-                      options={**EAGER, "invariant_cache_bytes": 1 << 20, "invariant": ["table"]})
-    x = torch.ones(4)
-    table = torch.arange(1 << 20, dtype=torch.float32)
-    with torch.no_grad():
-        for _ in range(2):
-            assert_bitwise(f(x, table), step(x, table))
+    _run_with_a_1mib_cache(step, torch.arange(1 << 20, dtype=torch.float32))
     c = counters()
     assert c["cached"] == 0 and c["not cached"] == 1, dict(c)
     (d,) = [d for d in torchsync_pass.decisions() if d.action.value == "not cached"]
     assert d.nbytes == 4 << 20, d
-
 
 
 @torch._dynamo.allow_in_graph
@@ -71,31 +75,17 @@ def test_cached_view_made_inside_an_opaque_function_counts_its_storage():
     def step(x, table):
         return x + head_of_double(table)
 
-    torch._dynamo.reset()
-    torchsync_pass.reset()
-    f = torch.compile(step, backend="nosync",
-                      options={**EAGER, "invariant_cache_bytes": 1 << 20, "invariant": ["table"]})
-    x, table = torch.ones(4), torch.arange(1 << 20, dtype=torch.float32)
-    with torch.no_grad():
-        for _ in range(2):
-            assert_bitwise(f(x, table), step(x, table))
+    _run_with_a_1mib_cache(step, torch.arange(1 << 20, dtype=torch.float32))
     c = counters()
     assert c["cached"] == 0 and c["not cached"] == 1, dict(c)
+
 
 def test_views_of_one_storage_counted_once():
     def step(x, table):
         t = table * 2
         return x + t[:4] + t[4:8]
 
-    torch._dynamo.reset()
-    torchsync_pass.reset()
-    f = torch.compile(step, backend="nosync",
-                      options={**EAGER, "invariant_cache_bytes": 1 << 20, "invariant": ["table"]})
-    x = torch.ones(4)
-    table = torch.arange(1 << 16, dtype=torch.float32)
-    with torch.no_grad():
-        for _ in range(2):
-            assert_bitwise(f(x, table), step(x, table))
+    _run_with_a_1mib_cache(step, torch.arange(1 << 16, dtype=torch.float32))
     cached = [d for d in torchsync_pass.decisions() if d.action.value == "cached"]
     assert sum(d.nbytes for d in cached) == 1 << 18, [(d.detail, d.nbytes) for d in cached]
 
