@@ -252,7 +252,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         # NOTE: copy before codegen: Inductor's pre-grad passes rewrite gm in place.
         reference = verify.reference_graph(gm)
     guards.demote_hidden_writes(gm.graph, compile_id)
-    hidden_written = bool(cone.hidden_written_inputs(gm.graph))  # before codegen, which rewrites gm
+    hidden_written = cone.writes_inputs_unseen(gm.graph)  # before codegen, which rewrites gm
     guards.guard_written_inputs(gm.graph, compile_id)
     if cone.remove_dead_cones(gm):
         log.debug("nosync: removed the dead cones of hoisted syncs from graph %s", compile_id)

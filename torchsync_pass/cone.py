@@ -762,14 +762,13 @@ def _hidden_targets(n: fx.Node) -> list[fx.Node]:
         seen[1] if seen is not None else [])
 
 
-def hidden_written_inputs(graph: fx.Graph) -> list[int]:
-    """The positions of the graph's inputs that it writes without bumping their version (see
-    :func:`_hidden_writes`). NOTE: a module's batch-norm running statistics too: nothing is hoisted
-    or cached from a buffer named so, but another function may read the tensor under another name
-    (an argument)."""
-    placeholders = list(graph.find_nodes(op="placeholder"))
+def writes_inputs_unseen(graph: fx.Graph) -> bool:
+    """Does the graph write one of its inputs without bumping its version (see
+    :func:`_hidden_writes`)? NOTE: a module's batch-norm running statistics count too: nothing is
+    hoisted or cached from a buffer named so, but another function may read the tensor under
+    another name (an argument)."""
     written = {storage_of(t) for _, t in _hidden_writes(graph)} - {None}
-    return [i for i, p in enumerate(placeholders) if storage_of(p) in written]
+    return any(storage_of(p) in written for p in graph.find_nodes(op="placeholder"))
 
 
 def _through_data(node: fx.Node) -> bool:

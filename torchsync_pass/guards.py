@@ -321,6 +321,11 @@ class _Fps(tuple):
         return self
 
 
+def forgotten_since(fps: tuple) -> bool:
+    """Did :func:`forget_all` run since ``fps`` (:meth:`ConeMemo.fingerprints`) were taken?"""
+    return isinstance(fps, _Fps) and fps.forgets != _FORGETS[0]
+
+
 class ConeMemo:
     """LRU of leaf identity/version -> value for one cone under one :func:`bits_state`."""
 
@@ -399,7 +404,7 @@ class ConeMemo:
         if fps is None:
             fps = _fingerprints(leaves, self.declared)
         e = _Entry(tuple([weakref.ref(t, dead) for t in leaves]), fps, key, value)
-        if isinstance(fps, _Fps) and fps.forgets != _FORGETS[0]:
+        if forgotten_since(fps):
             return e  # a hidden write was forgotten while it was computed (another thread): not kept
         with self.lock:
             live = [e]
@@ -1225,7 +1230,7 @@ def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
 
 def forget_after_hidden_writes(written: bool, compiled: Callable[..., Any]) -> Callable[..., Any]:
     """``compiled``, or, when the graph writes an input without bumping its version (``written``,
-    from :func:`cone.hidden_written_inputs`, read before codegen: a batch norm in training mode on a
+    from :func:`cone.writes_inputs_unseen`, read before codegen: a batch norm in training mode on a
     buffer of another name, ``t.data.add_``, also inside a higher-order op or a function kept
     whole), a wrapper that forgets every memoised value after each call (:func:`forget_all`): the
     next graph of the function (after a graph break), another compiled function, or this graph's

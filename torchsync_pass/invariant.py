@@ -110,23 +110,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
 
-def _owner_bytes(graph: fx.Graph) -> dict[Any, int]:
-    """The bytes of each storage the graph's tensors have, read from a tensor that owns it (not a
-    view): a cached view keeps its base's whole storage alive, not only its own elements."""
-    owners: dict[Any, int] = {}
-    for n in graph.nodes:
-        ex = cone._example(n)
-        if isinstance(ex, torch.Tensor) and not ex._is_view():
-            key = cone.storage_of(n)
-            if key is not None:
-                owners[key] = max(owners.get(key, 0), _nbytes(ex))
-    return owners
-
-
-def _base_bytes(t: torch.Tensor) -> int:
-    """The storage's bytes of a view (its base may be no node of the graph: a slice made inside a
-    function kept whole, ``allow_in_graph``); 0 for a tensor that is no view."""
-    return t.untyped_storage().nbytes() if t._is_view() else 0
+def _kept_bytes(t: torch.Tensor) -> int:
+    """The bytes a cached ``t`` keeps alive: a view (a slice of a temporary, also one made inside a
+    function kept whole) its base's whole storage, not only its own elements."""
+    return max(_nbytes(t), t.untyped_storage().nbytes() if t._is_view() else 0)
 
 
 def _invariant_leaf(n: fx.Node, declared: tuple[str, ...], wheres: dict) -> Optional[str]:
@@ -250,7 +237,6 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
     decisions: list[Decision] = []
     skipped: list[Decision] = []
     total = 0
-    owners = _owner_bytes(graph)
     kept: set[Any] = set()  # the storages the cached tensors keep alive (counted once each)
     for n in graph.nodes:
         if n not in inv or n.op == "placeholder" or all(u in inv for u in n.users):
@@ -262,7 +248,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         if ex.requires_grad:
             continue  # it carries this call's autograd graph: a backward would free it
         # a view (a slice of a temporary) keeps its base's whole storage: count that, once
-        nbytes = 0 if storage in kept else max(_nbytes(ex), owners.get(storage, 0), _base_bytes(ex))
+        nbytes = 0 if storage in kept else _kept_bytes(ex)
         leaves = _ancestors_leaves(n, leaf_names)
         if total + nbytes > limit:
             skipped.append(_decision(n, Action.NOT_CACHED, Reason.CACHE_BYTES, nbytes, leaves, compile_id))
@@ -508,7 +494,7 @@ class InvariantRunner:
             e = memo.store(leaves, None, values, fps)
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped;
         # nor values computed across a forget_all (another thread's write behind the version)
-        if getattr(fps, "forgets", None) == guards._FORGETS[0]:
+        if not guards.forgotten_since(fps):
             self.last = (grad, e.refs, key, e.value, check, precisions, inference)
         return e.value
 
