@@ -645,6 +645,19 @@ def entries_of(checks: list) -> list[list]:
     return out
 
 
+def compile_lock() -> Any:
+    """Dynamo's lock around compiling a frame (a re-entrant lock), or a null context where this
+    torch has none: held while nosync's state is reset, so that no frame is between its guards'
+    creation and Dynamo's check of them on its own inputs (a released group fails that check, which
+    Dynamo reports as its own bug)."""
+    import contextlib
+
+    from torch._dynamo import convert_frame
+
+    lock = getattr(convert_frame, "compile_lock", None)
+    return lock if lock is not None else contextlib.nullcontext()
+
+
 def release_guards() -> None:
     """Release every nosync guard installed so far (see Note [Guards outlive torch._dynamo.reset()])."""
     for group in list(_GROUPS.values()):

@@ -388,7 +388,11 @@ class ConeMemo:
 
     def _to_front(self, e: _Entry) -> None:
         with self.lock:
-            self.entries = [e] + [x for x in self.entries if x is not e]
+            rest = [x for x in self.entries if x is not e]
+            # NOTE: an entry a clear() dropped since the lookup found it (another thread's
+            # forget_all) stays dropped: moving it back would serve its value again
+            if len(rest) != len(self.entries):
+                self.entries = [e] + rest
 
     def fingerprints(self, leaves: tuple) -> tuple:
         """What :meth:`store` keys an entry by; take it *before* computing the value (see store)."""
@@ -404,9 +408,11 @@ class ConeMemo:
         if fps is None:
             fps = _fingerprints(leaves, self.declared)
         e = _Entry(tuple([weakref.ref(t, dead) for t in leaves]), fps, key, value)
-        if forgotten_since(fps):
-            return e  # a hidden write was forgotten while it was computed (another thread): not kept
         with self.lock:
+            # NOTE: asked under the lock clear() takes after forget_all counts: a forget either is
+            # seen here or empties the memo after this store
+            if forgotten_since(fps):
+                return e  # a hidden write was forgotten while it was computed (another thread): not kept
             live = [e]
             for x in self.entries:
                 for r in x.refs:
@@ -552,7 +558,13 @@ _lock = threading.RLock()
 
 
 def reset(keep_decisions: bool = False) -> None:
-    """Forget every site's state and memo, and (unless ``keep_decisions``) the decision records."""
+    """Forget every site's state and memo, and (unless ``keep_decisions``) the decision records.
+    Waits for a compile in another thread to finish (see dynamo_hooks.compile_lock)."""
+    with dynamo_hooks.compile_lock():
+        _reset(keep_decisions)
+
+
+def _reset(keep_decisions: bool) -> None:
     with _lock:
         _sites.clear()
         _checks_by_code.clear()

@@ -73,6 +73,7 @@ This module only builds new graphs; it never mutates the graph it is given.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -383,6 +384,9 @@ class InvariantRunner:
         # under the caller's), checked here even when a guard_filter_fn drops Dynamo's
         # global-state guard.
         self.memos: dict[tuple, ConeMemo] = {}
+        # taken by forget() and by miss's store of ``last``: a forget_all from another thread
+        # either is seen by the store or drops what it stored
+        self._lock = threading.Lock()
         forgettable(self)
         # The last call's answer: (grad mode, weak refs and guards.fast_key of its leaves, values,
         # the check of a snapshot of the global state Dynamo guards (grad mode, autocast, thread
@@ -428,7 +432,8 @@ class InvariantRunner:
 
     def forget(self) -> None:
         """Drop the cached values (Note [Writes behind the version counter across graphs])."""
-        self.memos, self.last = {}, None
+        with self._lock:
+            self.memos, self.last = {}, None
 
     def run_whole(self, args: tuple) -> Any:
         counters()["invariant_aliased_calls"] += 1
@@ -494,8 +499,9 @@ class InvariantRunner:
             e = memo.store(leaves, None, values, fps)
         # NOTE: the latest entry is the front of its memo, so this keeps nothing the memo dropped;
         # nor values computed across a forget_all (another thread's write behind the version)
-        if not guards.forgotten_since(fps):
-            self.last = (grad, e.refs, key, e.value, check, precisions, inference)
+        with self._lock:
+            if not guards.forgotten_since(fps):
+                self.last = (grad, e.refs, key, e.value, check, precisions, inference)
         return e.value
 
 
