@@ -57,3 +57,40 @@ def test_qwen2_vl_generate_decode_steps_under_nosync():
     assert (stock["forward_syncs"][0], nos["forward_syncs"][0]) == (2, 1)
     assert (stock["compiles"], nos["compiles"]) == (7, 3)
     assert any(d.site.file.endswith("import_utils.py") and "_check_tensor_all" in d.source for d in hoisted)
+
+
+@pytest.mark.parametrize("case", ["mistral-sliding-window", "llama-static-cache"])
+def test_generate_where_transformers_masks_differently_under_compile(case):
+    # README ("Guarantees and limits"): with one unpadded prompt, transformers builds another
+    # attention mask under compile for a sliding window or a static cache, so stock Dynamo's logits
+    # may differ from eager by an ULP; nosync (codegen="eager") must give stock's bits
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    kw = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if case == "mistral-sliding-window":
+        model_cls, config, gen = MistralForCausalLM, MistralConfig(**kw, sliding_window=4), {}
+    else:
+        model_cls, config, gen = LlamaForCausalLM, LlamaConfig(**kw), {"cache_implementation": "static"}
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    forward = model.forward
+    x = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for name, f in [("stock", torch.compile(forward, backend="eager")),
+                    ("nosync", torch.compile(forward, backend="nosync", options={"codegen": "eager"}))]:
+        model.forward = f
+        try:
+            with torch.no_grad():
+                out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=5,
+                                     do_sample=False, output_logits=True, return_dict_in_generate=True, **gen)
+        finally:
+            model.forward = forward
+        logits[name] = out.logits
+    assert len(logits["nosync"]) == len(logits["stock"]) == 5
+    for a, b in zip(logits["nosync"], logits["stock"]):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
