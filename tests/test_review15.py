@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -36,6 +37,45 @@ def _two_requests_and_a_writer(step):
     return r, w, x, t1, t2, d
 
 
+def _run_in_thread_at(fire, target, timeout=1.0):
+    """When ``fire[0]``: clear it and run ``target`` in another thread, waiting at most ``timeout``
+    (a lock the fix takes makes the other thread wait for this one: then it finishes later)."""
+    if fire[0]:
+        fire[0] = False
+        th = threading.Thread(target=target)
+        th.start()
+        th.join(timeout)
+        return th
+    return None
+
+
+def _write_forced_into(monkeypatch, step, obj, name, after=False):
+    """Call ``step``'s request t1 (after t2's) while another thread's write behind t1's version
+    (and its forget_all) is forced in at ``obj.name``: before the original runs, or ``after`` it
+    answered False; then, sequentially, t1 again must be eager's."""
+    with torch.no_grad():
+        r, w, x, t1, t2, d = _two_requests_and_a_writer(step)
+        fire, threads = [False], []
+        original = getattr(obj, name)
+
+        def switch(*args, **kwargs):
+            if not after:
+                threads.append(_run_in_thread_at(fire, lambda: w(t1, d)))
+            res = original(*args, **kwargs)
+            if after and not res:
+                threads.append(_run_in_thread_at(fire, lambda: w(t1, d)))
+            return res
+
+        monkeypatch.setattr(obj, name, switch)
+        r(x, t2)
+        fire[0] = True
+        r(x, t1)
+        assert not fire[0], "the thread switch was not forced"
+        for th in filter(None, threads):
+            th.join()
+        assert_bitwise(r(x, t1), step(x, t1))
+
+
 def test_memo_entry_found_before_another_threads_forget_is_not_moved_back(monkeypatch):
     # The guard found t1's entry behind t2's; another thread's graph wrote t1 behind its version and
     # forget_all emptied the memo; moving the entry to the front put it back: every later call with
@@ -45,26 +85,7 @@ def test_memo_entry_found_before_another_threads_forget_is_not_moved_back(monkey
             return x * 2
         return x * 3
 
-    with torch.no_grad():
-        r, w, x, t1, t2, d = _two_requests_and_a_writer(step)
-        fire = [False]
-        to_front = guards.ConeMemo._to_front
-
-        def switch_then_move(self, e):  # the other thread's whole call lands right after the lookup
-            if fire[0]:
-                fire[0] = False
-                th = threading.Thread(target=w, args=(t1, d))
-                th.start()
-                th.join()
-            return to_front(self, e)
-
-        monkeypatch.setattr(guards.ConeMemo, "_to_front", switch_then_move)
-        r(x, t2)
-        fire[0] = True
-        r(x, t1)
-        assert not fire[0], "the thread switch was not forced"
-        r(x, t2)
-        assert_bitwise(r(x, t1), step(x, t1))
+    _write_forced_into(monkeypatch, step, guards.ConeMemo, "_to_front")
 
 
 def test_runner_values_computed_before_another_threads_forget_are_not_kept(monkeypatch):
@@ -74,29 +95,7 @@ def test_runner_values_computed_before_another_threads_forget_are_not_kept(monke
     def step(x, t):
         return x + t.exp()
 
-    with torch.no_grad():
-        r, w, x, t1, t2, d = _two_requests_and_a_writer(step)
-        fire, threads = [False], []
-        forgotten_since = guards.forgotten_since
-
-        def check_then_switch(fps):  # the other thread runs right after the answer (or waits for a lock)
-            res = forgotten_since(fps)
-            if fire[0] and not res:
-                fire[0] = False
-                th = threading.Thread(target=w, args=(t1, d))
-                th.start()
-                th.join(timeout=1.0)  # the fix makes its forget wait for the store: no join here then
-                threads.append(th)
-            return res
-
-        monkeypatch.setattr(guards, "forgotten_since", check_then_switch)
-        r(x, t2)
-        fire[0] = True
-        r(x, t1)
-        assert not fire[0], "the thread switch was not forced"
-        for th in threads:
-            th.join()
-        assert_bitwise(r(x, t1), step(x, t1))
+    _write_forced_into(monkeypatch, step, guards, "forgotten_since", after=True)
 
 
 def test_reset_in_another_thread_waits_for_a_compile():
@@ -126,3 +125,154 @@ def test_reset_in_another_thread_waits_for_a_compile():
         stop.set()
         th.join()
     assert_bitwise(out, step(x, t))
+
+
+def test_runner_memo_taken_before_another_threads_forget_is_emptied(monkeypatch):
+    # InvariantRunner.miss took its memo, then another thread's forget_all replaced the runner's
+    # memos without emptying the old one: the lookup found the entry of before the write there,
+    # and its fingerprints (taken after the forget) let it become the last call's values
+    from torchsync_pass import invariant
+
+    def step(x, t):
+        return x + t.exp()
+
+    _write_forced_into(monkeypatch, step, invariant, "fast_key")  # between taking the memo and using it
+
+
+def test_memo_pruned_by_a_dying_leaf_during_another_threads_forget_keeps_it_empty(monkeypatch):
+    # ConeMemo._leaf_died (a weak-reference callback) rebuilt the entry list without the lock: a
+    # clear() from another thread's forget_all landing while it ran was undone, and the branch of
+    # before the write was taken on every later call
+    import gc
+
+    def step(x, t):
+        if t.sum() > 0:
+            return x + 1
+        return x - 1
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    w = torch.compile(_write_behind_version, backend="nosync", options=EAGER)
+    r = torch.compile(step, backend="nosync", options={**EAGER, "invariant": ["t"]})
+    t1, tmp = torch.full((4,), -1.0), torch.full((4,), 1.0)
+    x, d = torch.ones(4), torch.tensor(2.0)
+    with torch.no_grad():
+        w(t1, d), w(t1, -d)
+        for t in (t1, tmp, t1, tmp, t1):
+            r(x, t)
+    fire, threads = [True], []
+
+    def switch_then_all(it):  # inside the rebuild, after it read the entries
+        threads.append(_run_in_thread_at(fire, lambda: w(t1, d)))
+        return all(it)
+
+    monkeypatch.setattr(guards, "all", switch_then_all, raising=False)
+    with torch.no_grad():
+        del tmp
+        gc.collect()
+        assert not fire[0], "the thread switch was not forced"
+        monkeypatch.delattr(guards, "all")
+        for th in filter(None, threads):
+            th.join()
+        assert_bitwise(r(x, t1), step(x, t1))
+
+
+def test_forget_while_another_thread_adds_a_memo_forgets_everything(monkeypatch):
+    # _Tables.forget (a tabulated op's tables) iterated its memos while another thread's first call
+    # under another grad mode added one: the writer's call raised "dictionary changed size during
+    # iteration" and the forgettables after it kept their values of before the write
+    from torchsync_pass import inop
+
+    class Sched:
+        def __init__(self):
+            self.sigmas = torch.linspace(1.0, 0.1, 9)
+            self.i = 0
+
+    def corrector(s, x):  # linalg.solve at a step-indexed sigma: a tabulated op
+        s0, s1 = s.sigmas[s.i], s.sigmas[s.i + 1]
+        one = torch.ones(())
+        rhs = torch.stack([torch.expm1(torch.log(s1) - torch.log(s0)), s0 * 0.5])
+        rhos = torch.linalg.solve(torch.stack([torch.stack([one, s0]), torch.stack([one, s1])]), rhs)
+        s.i += 1
+        return x * rhos[0] + rhos[1]
+
+    def step(x, t):
+        return x + t.exp()
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    c = torch.compile(corrector, backend="nosync", options=EAGER)
+    w = torch.compile(_write_behind_version, backend="nosync", options=EAGER)
+    r = torch.compile(step, backend="nosync", options={**EAGER, "invariant": ["t"]})
+    t1, x, d = torch.full((4,), -0.5), torch.ones(4), torch.tensor(1.0)
+    with torch.no_grad():
+        s, y = Sched(), x
+        for _ in range(3):
+            y = c(s, y)
+        assert any(t.memos for t in inop._SHARED.values()), "nothing was tabulated"
+        target = list(inop._SHARED.values())[-1]  # the step-indexed graph's: the other call adds a memo
+        w(t1, d), w(t1, -d)
+        r(x, t1), r(x, t1)
+
+    def first_call_under_grad():
+        with torch.enable_grad():
+            c(Sched(), x)
+
+    fire, threads = [True], []
+    clear = guards.ConeMemo.clear
+
+    def switch_then_clear(self):  # inside the tables' forget loop
+        if any(self is m for m in list(target.memos.values())):
+            threads.append(_run_in_thread_at(fire, first_call_under_grad, timeout=60))
+        return clear(self)
+
+    monkeypatch.setattr(guards.ConeMemo, "clear", switch_then_clear)
+    with torch.no_grad():
+        w(t1, d)
+        assert not fire[0], "the thread switch was not forced"
+        monkeypatch.setattr(guards.ConeMemo, "clear", clear)
+        for th in filter(None, threads):
+            th.join()
+        assert_bitwise(r(x, t1), step(x, t1))
+
+
+def test_runner_last_dropped_by_another_thread_between_two_reads(monkeypatch):
+    # InvariantRunner.miss read ``self.last`` twice in one expression; another thread dropping it
+    # in between (the previous request's leaf dying, a forget) raised TypeError from inside nosync
+    import gc
+
+    from torchsync_pass import invariant
+
+    def step(x, t):
+        return x + t.exp()
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    r = torch.compile(step, backend="nosync", options={**EAGER, "invariant": ["t"]})
+    x, held = torch.ones(4), [torch.full((4,), -0.5)]
+    with torch.no_grad():
+        r(x, held[0]), r(x, held[0])
+    runners = [o for o in gc.get_objects() if type(o) is invariant.InvariantRunner and o.last is not None]
+    assert len(runners) == 1
+    runner = runners[0]
+    fire = [True]
+
+    class DropsLastOnFirstRead(invariant.InvariantRunner):
+        @property
+        def last(self):
+            value = self.__dict__["_last"]
+            if value is not None and sys._getframe(1).f_code.co_name == "miss":
+                _run_in_thread_at(fire, lambda: (held.pop(), gc.collect()))  # the leaf dies there
+            return value
+
+        @last.setter
+        def last(self, value):
+            self.__dict__["_last"] = value
+
+    runner.__dict__["_last"] = runner.__dict__.pop("last")
+    monkeypatch.setattr(runner, "__class__", DropsLastOnFirstRead)
+    t2 = torch.full((4,), -0.25)
+    with torch.no_grad():
+        out = r(x, t2)
+    assert not fire[0], "the thread switch was not forced"
+    assert_bitwise(out, step(x, t2))

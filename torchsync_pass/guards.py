@@ -334,7 +334,8 @@ class ConeMemo:
         self.declared = declared
         self.size = size
         self.entries: list[_Entry] = []
-        self.lock = threading.Lock()
+        # re-entrant: _leaf_died takes it, and runs wherever a leaf dies (inside store too)
+        self.lock = threading.RLock()
         self.on_dead = on_dead  # called after a leaf of an entry died (the entry is dropped)
 
     def clear(self) -> None:
@@ -379,10 +380,11 @@ class ConeMemo:
         """Weak reference callback: drop the entries whose leaves died, so what they cached (a
         tensor of the invariant runner) does not outlive the model until the next store.
 
-        NOTE: no lock: the callback can run inside ``store`` (a collection while it holds the lock);
-        the new list replaces the old one in one assignment, and a prune lost to a concurrent store
-        leaves a dead entry that no lookup can match (its identity check fails) until the next."""
-        self.entries = [e for e in self.entries if all(r() is not None for r in e.refs)]
+        NOTE: under the lock (re-entrant: the callback can run inside ``store``, in a collection
+        while it holds the lock): a clear() from another thread's forget_all must not land between
+        the read of the entries and the assignment, which would put them back."""
+        with self.lock:
+            self.entries = [e for e in self.entries if all(r() is not None for r in e.refs)]
         if self.on_dead is not None:
             self.on_dead()
 
@@ -459,7 +461,10 @@ class ConeState:
     def forget(self) -> None:
         """Drop the memoised values (a write behind the version counter, Note [Writes behind the
         version counter across graphs])."""
-        for memo in self.memos.values():  # NOTE: emptied, not dropped: each SiteCheck holds its own
+        # NOTE: emptied, not dropped: each SiteCheck holds its own; over a copy: another thread may
+        # add a memo (memo_for) meanwhile, which holds nothing computed before the forget (its
+        # store asks forgotten_since)
+        for memo in list(self.memos.values()):
             memo.clear()
         self.last_miss = None
 
@@ -1292,9 +1297,17 @@ def forget_all() -> None:
     _FORGETS[0] += 1
     with _FORGET_LOCK:  # a registration from another thread (a compile) must not break the walk
         objs = list(_FORGETTABLE.values())
-    for obj in objs:
-        obj.forget()
-    _DEMOTIONS[0] += 1
+    try:
+        errors = []
+        for obj in objs:  # one that raises must not leave the others' values in place
+            try:
+                obj.forget()
+            except Exception as e:  # noqa: BLE001 - raised below, after the others forgot
+                errors.append(e)
+        if errors:
+            raise errors[0]
+    finally:
+        _DEMOTIONS[0] += 1
 
 
 def demote_hidden_writes(graph: Any, compile_id: Optional[str]) -> None:

@@ -166,7 +166,7 @@ class _Tables:
 
     def forget(self) -> None:
         """Drop the tables (Note [Writes behind the version counter across graphs])."""
-        for memo in self.memos.values():
+        for memo in list(self.memos.values()):  # over a copy: see ConeState.forget
             memo.clear()
 
 

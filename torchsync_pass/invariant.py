@@ -433,6 +433,10 @@ class InvariantRunner:
     def forget(self) -> None:
         """Drop the cached values (Note [Writes behind the version counter across graphs])."""
         with self._lock:
+            # NOTE: emptied too, not only dropped: a miss in another thread may hold one it took
+            # before this forget and look its leaves up there afterwards
+            for memo in list(self.memos.values()):
+                memo.clear()
             self.memos, self.last = {}, None
 
     def run_whole(self, args: tuple) -> Any:
@@ -485,7 +489,8 @@ class InvariantRunner:
             self.memos, self.last = {state: memo}, None
         # The fast path's key and the memo's fingerprints are taken before the values: a leaf
         # written while they are computed (by another thread) then misses on the next call.
-        previous = self.last[2] if self.last is not None else self.last_key
+        last = self.last  # read once: another thread may set it to None (forget, a leaf's death)
+        previous = last[2] if last is not None else self.last_key
         key = self.last_key = fast_key(leaves, self.declared, previous)
         fps = memo.fingerprints(leaves)
         e = memo.lookup(leaves)
