@@ -276,3 +276,194 @@ def test_runner_last_dropped_by_another_thread_between_two_reads(monkeypatch):
         out = r(x, t2)
     assert not fire[0], "the thread switch was not forced"
     assert_bitwise(out, step(x, t2))
+
+
+def test_runner_memo_dropped_for_another_state_is_emptied(monkeypatch):
+    # A call under another value state (inference mode; one runner serves both when a serving
+    # engine's guard_filter_fn drops Dynamo's guards) replaced the runner's memos without emptying
+    # the old one; a miss in another thread holding it found the entry of before a later write
+    # behind the version there, and served it on every later call
+    from torchsync_pass import invariant
+
+    def step(x, t):
+        return x + t.exp()
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    w = torch.compile(_write_behind_version, backend="nosync", options=EAGER)
+    r = torch.compile(step, backend="nosync", options={
+        **EAGER, "invariant": ["t"], "guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+    t1, t2 = torch.full((4,), -0.5), torch.full((4,), -0.25)
+    x, d = torch.ones(4), torch.tensor(1.0)
+    with torch.no_grad():
+        for t in (t1, t2, t1):
+            r(x, t)
+        w(t1, d), w(t1, -d)
+        r(x, t1), r(x, t2)
+
+    def other_thread():
+        with torch.inference_mode():
+            r(x, t2)  # another state: the runner's memos are replaced
+        with torch.no_grad():
+            w(t1, d)  # then a write behind t1's version, and its forget_all
+
+    fire, threads = [False], []
+    fast_key = invariant.fast_key
+
+    def switch_then_key(*a, **k):  # after the miss took its memo
+        threads.append(_run_in_thread_at(fire, other_thread))
+        return fast_key(*a, **k)
+
+    monkeypatch.setattr(invariant, "fast_key", switch_then_key)
+    with torch.no_grad():
+        r(x, t2)
+        fire[0] = True
+        r(x, t1)
+        assert not fire[0], "the thread switch was not forced"
+        monkeypatch.setattr(invariant, "fast_key", fast_key)
+        for th in filter(None, threads):
+            th.join()
+        assert_bitwise(r(x, t1), step(x, t1))
+
+
+def test_check_request_while_another_thread_compiles():
+    # check_request listed the guard groups (a WeakValueDictionary, iterated in Python) while a
+    # compile in another thread added one: "dictionary changed size during iteration"
+    import linecache
+    import weakref
+
+    def step(x, t):
+        if (t > 0).any():
+            return x * 2
+        return x * 3
+
+    def other(x, t):
+        if (t < 0).all():
+            return x - 1
+        return x + 1
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    r = torch.compile(step, backend="nosync", options={**EAGER, "invariant": ["t"]})
+    g = torch.compile(other, backend="nosync", options={**EAGER, "invariant": ["t"]})
+    t, x = torch.full((4,), -0.5), torch.ones(4)
+    with torch.no_grad():
+        r(x, t), r(x, t)
+    fire, threads = [True], []
+
+    def compile_other():
+        with torch.no_grad():
+            g(x, t)
+
+    def local(frame, event, arg):  # inside the loop over the groups: another thread compiles
+        if event == "line" and "wr()" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+            threads.append(_run_in_thread_at(fire, compile_other))  # the dict's iteration has begun
+        return local
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_name == "values" and frame.f_code.co_filename == weakref.__file__:
+            return local
+        return None
+
+    sys.settrace(tracer)
+    try:
+        with torch.no_grad():
+            torchsync_pass.check_request(r, x, t)
+    finally:
+        sys.settrace(None)
+    assert not fire[0], "the thread switch was not forced"
+    for th in filter(None, threads):
+        th.join()
+    with torch.no_grad():
+        assert_bitwise(g(x, t), other(x, t))
+
+
+def test_aot_compile_is_refused_clearly():
+    # torch.compile(..., backend="nosync").aot_compile(...) raised an AttributeError from nosync's
+    # internals ('_thread._local' object has no attribute 'current_tx')
+    import pytest
+
+    def step(x, scale):
+        return (x * scale).sin()
+
+    f = torch.compile(step, backend="nosync", fullgraph=True, options=EAGER)
+    if not hasattr(f, "aot_compile"):
+        pytest.skip(f"torch {torch.__version__} has no aot_compile")
+    x, scale = torch.randn(4), torch.tensor(1.5)
+    with pytest.raises(torchsync_pass.NosyncError, match="aot_compile"):
+        f.aot_compile(((x, scale), {}))
+
+
+def test_caching_precompile_is_refused_clearly():
+    # with Dynamo's caching precompile on, every call of a frame with a hoisted sync raised
+    # "cannot pickle '_thread.lock' object" (Dynamo pickles the frame's guards)
+    import pytest
+
+    if not hasattr(torch._dynamo.config, "caching_precompile"):
+        pytest.skip(f"torch {torch.__version__} has no caching precompile")
+
+    def step(x, scale):
+        return x * scale.item()
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    f = torch.compile(step, backend="nosync", options=EAGER)
+    with torch._dynamo.config.patch(caching_precompile=True):
+        with pytest.raises(torchsync_pass.NosyncError, match="caching_precompile"):
+            f(torch.ones(3), torch.tensor(2.0))
+    torch._dynamo.reset()
+
+
+def test_self_test_never_loads_a_saved_frame(tmp_path):
+    # a process that ran nosync's self-test with caching precompile on saved the self-test's frames
+    # (save_cache_artifacts); the next process loaded them instead of tracing, no hook fired and
+    # nosync switched itself off for the whole process
+    import os
+    import subprocess
+
+    import pytest
+
+    if not hasattr(torch._dynamo.config, "caching_precompile"):
+        pytest.skip(f"torch {torch.__version__} has no caching precompile")
+    script = ("import torch\nfrom torchsync_pass import dynamo_hooks\nr = dynamo_hooks.self_test()\n"
+              "torch.compiler.save_cache_artifacts()\nprint(sorted(k for k, ok in r.items() if not ok))\n")
+    env = dict(os.environ, TORCH_CACHING_PRECOMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    outs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs.append(p.stdout.strip().splitlines()[-1])
+    assert outs == ["[]", "[]"], outs  # no hook that failed to fire, in either process
+
+
+def test_freezing_is_never_silent():
+    # torch._inductor.config.freezing=True makes Dynamo pass module tensors as graph constants:
+    # a sync on a buffer was rejected as "a tensor created inside the step" and nothing was cached,
+    # without a word
+    import warnings
+
+    import torch._inductor.config as inductor_config
+
+    from torchsync_pass import backend
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.tensor(1.5))
+
+        def forward(self, x):
+            return x * self.scale.item()
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    backend._WARNED_FROZEN.clear()
+    m = M()
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    x = torch.ones(3)
+    with inductor_config.patch(freezing=True), torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert_bitwise(f(x), m(x))
+    assert any("freezing" in str(w.message) for w in seen)
+    details = [d.detail for d in torchsync_pass.decisions() if d.reason.name == "CONSTANT_LEAF"]
+    assert details and all("freezing" in d for d in details)
+    torch._dynamo.reset()

@@ -231,12 +231,27 @@ def _release_graphs(records: list[dict]) -> None:
         entry["graph"] = None
 
 
+def _refuse_saved_frames() -> None:
+    """nosync's guards and what they memoise live in this process: a compiled frame that Dynamo
+    saves for another process (``aot_compile``, caching precompile) cannot carry them."""
+    what = ("torch.compile(...).aot_compile(...)" if dynamo_hooks.in_aot_compile()
+            else "torch._dynamo.config.caching_precompile (TORCH_CACHING_PRECOMPILE=1)"
+            if dynamo_hooks.caching_precompile_on() else None)
+    if what is not None:
+        raise NosyncError(
+            f"nosync: {what} is not supported: it saves the compiled frame for another process, and "
+            "nosync's guards (their memos of hoisted values) live in this one. Compile without it "
+            "(nosync's compile is per process), or use backend='inductor' for saved frames.")
+
+
 def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode: Optional[str],
              extra: dict, record: Optional[list]) -> Callable:
     if extra:
         log.warning("nosync: ignoring unknown backend keyword argument(s): %s", ", ".join(sorted(extra)))
     if mode is not None and mode not in MODES:
         raise NosyncOptionsError(f"nosync: unknown mode {mode!r}; valid modes are: {', '.join(MODES)}")
+    _refuse_saved_frames()
+    _warn_frozen(opts)
     if dynamo_hooks.backend_hidden():
         _hidden_backend(opts)
     # NOTE: also here, not only at sync sites: invariant caching reads the declared names too
@@ -288,21 +303,38 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
 
 def _hidden_backend(opts: Options) -> None:
     """The frame reached nosync through a backend wrapper the hooks could not see through: its
-    syncs were traced as stock Dynamo traces them. Never silent: an error under ``strict``, else a
-    warning (once per process)."""
-    msg = ("nosync: this frame was compiled through a backend wrapper that hides the nosync backend "
-           "from its tracing hooks, so no sync in it was hoisted or rewritten (the graph is stock "
-           "Dynamo's). Pass backend='nosync' (or a NosyncBackend) to torch.compile directly, or give "
-           "the wrapper an attribute `compiler_fn` (or `__wrapped__`) holding the nosync backend.")
+    syncs were traced as stock Dynamo traces them."""
+    _never_silent(opts, _WARNED_HIDDEN,
+                  "nosync: this frame was compiled through a backend wrapper that hides the nosync backend "
+                  "from its tracing hooks, so no sync in it was hoisted or rewritten (the graph is stock "
+                  "Dynamo's). Pass backend='nosync' (or a NosyncBackend) to torch.compile directly, or give "
+                  "the wrapper an attribute `compiler_fn` (or `__wrapped__`) holding the nosync backend.")
+
+
+def _warn_frozen(opts: Options) -> None:
+    """Inductor's freezing makes Dynamo pass module tensors as graph constants, with no input to
+    guard on."""
+    if not _torch_private.inductor_freezing() or torch.is_grad_enabled():
+        return
+    _never_silent(opts, _WARNED_FROZEN,
+                  "nosync: torch._inductor.config.freezing=True: under no_grad Dynamo passes a module's "
+                  "parameters and buffers into the graph as constants (not inputs), so no sync on them and "
+                  "no tensor computed from them is hoisted or cached (decisions: CONSTANT_LEAF). Turn "
+                  "freezing off for nosync.")
+
+
+def _never_silent(opts: Options, warned: list, msg: str) -> None:
+    """An error under ``strict``; else a warning (once per process and kind: ``warned``) and a log."""
     if opts.strict:
         raise NosyncError(msg)
-    if not _WARNED_HIDDEN:
-        _WARNED_HIDDEN.append(True)
-        warnings.warn(msg, stacklevel=2)
+    if not warned:
+        warned.append(True)
+        warnings.warn(msg, stacklevel=3)
     log.warning(msg)
 
 
 _WARNED_HIDDEN: list = []
+_WARNED_FROZEN: list = []
 
 
 def keep_nosync_guards(guard_filter_fn: Callable[[list], list]) -> Callable[[list], list]:

@@ -486,10 +486,16 @@ def written_nodes(node: fx.Node) -> list[fx.Node]:
     return list(dict.fromkeys(written + hidden_written_nodes(node)))  # each node once, in order
 
 
+FREEZING_NOTE = ("; torch._inductor.config.freezing=True makes Dynamo pass the module's parameters and "
+                 "buffers as graph constants, which nosync cannot guard: nothing computed from them is "
+                 "hoisted or cached (turn freezing off for nosync)")
+
+
 def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
     name = _target_name(node)
     if node.op == "get_attr":
-        return Reason.CONSTANT_LEAF, f"reads graph attribute {node.target!r}"
+        return Reason.CONSTANT_LEAF, f"reads graph attribute {node.target!r}" + (
+            FREEZING_NOTE if _torch_private.inductor_freezing() else "")
     if node.op == "call_module":
         return Reason.SUBGRAPH, f"calls module {node.target!r}"
     if node.op not in ("call_function", "call_method"):

@@ -451,7 +451,8 @@ class _GuardGroup:
         self.released = False
         self.released_checks = False
         self.managers: list = []  # weak refs to the CheckFunctionManagers that hold this group
-        _GROUPS[id(self)] = self
+        with _GROUPS_LOCK:
+            _GROUPS[id(self)] = self
 
     def release(self) -> None:
         """Let go of every check (and what they hold); the guard fails from now on."""
@@ -631,6 +632,14 @@ def _false() -> bool:
 # references would live for the rest of the process. Each group is therefore released when nosync
 # resets: the closure keeps an empty group, and the checks, cones and memos are freed.
 _GROUPS: "weakref.WeakValueDictionary[int, _GuardGroup]" = weakref.WeakValueDictionary()
+# taken to add a group (a compile, any thread) and to list them: a WeakValueDictionary's iteration
+# is Python code, which another thread's insertion breaks ("dictionary changed size")
+_GROUPS_LOCK = threading.Lock()
+
+
+def _groups() -> list:
+    with _GROUPS_LOCK:
+        return list(_GROUPS.values())
 
 
 def entries_of(checks: list) -> list[list]:
@@ -638,7 +647,7 @@ def entries_of(checks: list) -> list[list]:
     needs to pass at once. A check in no live group is left out."""
     ids = {id(c) for c in checks}
     out = []
-    for group in list(_GROUPS.values()):
+    for group in _groups():
         members = [c for c in group.checks if id(c) in ids]
         if members:
             out.append(members)
@@ -660,7 +669,7 @@ def compile_lock() -> Any:
 
 def release_guards() -> None:
     """Release every nosync guard installed so far (see Note [Guards outlive torch._dynamo.reset()])."""
-    for group in list(_GROUPS.values()):
+    for group in _groups():
         group.release()
 
 
@@ -676,7 +685,7 @@ def forget_guard_managers() -> None:
     finalizers are what keeps an entry from matching a new object at a freed address.
     """
     managers = []
-    for group in list(_GROUPS.values()):
+    for group in _groups():
         managers += [m for m in (ref() for ref in group.managers) if m is not None]
         group.managers = []
     if not managers:
@@ -812,6 +821,50 @@ def raise_through_dynamo(exc: BaseException) -> "NoReturn":
     Exception.__init__(new, *exc.args)
     new.first_useful_frame = None
     raise new.with_traceback(exc.__traceback__) from exc.__cause__
+
+
+def caching_precompile_on() -> bool:
+    """Does Dynamo save and load whole compiled frames (``torch._dynamo.config.caching_precompile``,
+    ``TORCH_CACHING_PRECOMPILE=1``)? False where this torch has no such setting."""
+    from torch._dynamo import config
+
+    return bool(getattr(config, "caching_precompile", False))
+
+
+def _no_frame_cache() -> Any:
+    """A context in which Dynamo neither loads nor saves whole compiled frames."""
+    import contextlib
+
+    from torch._dynamo import config
+
+    if not hasattr(config, "caching_precompile"):
+        return contextlib.nullcontext()
+    return config.patch(caching_precompile=False)
+
+
+def in_aot_compile() -> bool:
+    """Is the backend being called by ``torch.compile(...).aot_compile`` (a capture to be saved,
+    outside Dynamo's trace of a running frame)?"""
+    f = sys._getframe(1)
+    for _ in range(64):
+        if f is None:
+            return False
+        if f.f_code.co_name == "aot_compile_fullgraph" and f.f_globals.get("__name__", "").startswith("torch._dynamo"):
+            return True
+        f = f.f_back
+    return False
+
+
+def _current_tx() -> Any:
+    """The instruction translator Dynamo is running on this thread, or None: outside a trace
+    (a backend called directly, ``torch.compile(...).aot_compile``), ``current_tx`` raises where
+    no translator ever ran on the thread and returns None after one ran."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx()
+    except AttributeError:
+        return None
 
 
 def current_frame() -> tuple[Any, Any]:
@@ -1928,10 +1981,8 @@ def guard_disjoint_storage(read: list, written: list) -> bool:
     """From the backend: guard the frame being compiled with "no tensor of ``read`` shares memory
     with one of ``written``" (placeholder nodes), checked at every call. False when a placeholder
     has no source to guard on (the caller then keeps its sync)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
     names = [(leaf.source if (leaf := leaf_of(n)) is not None else None) for n in read + written]
-    tx = InstructionTranslator.current_tx()
+    tx = _current_tx()
     if tx is None or any(n is None for n in names):
         return False
     get = leaf_getter(names)
@@ -1956,9 +2007,7 @@ def attribute_written_selects() -> list:
     select or a gathered row may be (the arm, the list's tensor, reached through any other name: a
     dict, a tuple copy, an argument), while they are copies without it (and an unused select is not
     even in the graph the backend sees). Note [Attributes set on a gathered row]."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    tx = InstructionTranslator.current_tx()
+    tx = _current_tx()
     if tx is None:
         return []
     # (Dynamo's own record as well, should the hook have missed one)
@@ -2367,9 +2416,7 @@ def _make_store_attr_hook(original: Callable) -> Callable:
                 use = item.as_proxy().node.meta.get(REWRITE_META)
                 if isinstance(use, RewriteUse) and in_self_test():
                     _state.attr_seen = True  # the self-test's row is a tensor table's: a view in eager
-                from torch._dynamo.symbolic_convert import InstructionTranslator
-
-                tx = InstructionTranslator.current_tx()
+                tx = _current_tx()
                 if tx is not None:  # any tensor: it may be an arm or a list's tensor under another name
                     tx.output.__dict__["_nosync_tensor_attr_written"] = True
                     if isinstance(use, RewriteUse) and use.form in ("branch", "list"):
@@ -2586,7 +2633,8 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
             try:
                 backend = _SelfTestBackend()
                 _state.attr_seen = False
-                got = torch.compile(fn, backend=backend)(x)
+                with _no_frame_cache():  # traced here, never loaded from a saved cache
+                    got = torch.compile(fn, backend=backend)(x)
                 fired = backend.identity_uses if fn.__name__ in ("f_is", "f_contains") else seen
                 if fn.__name__ == "f_row_attr":
                     fired = fired if getattr(_state, "attr_seen", False) else []

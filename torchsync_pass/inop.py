@@ -64,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -172,11 +173,13 @@ class _Tables:
 
 _SHARED: "weakref.WeakValueDictionary[tuple, _Tables]" = weakref.WeakValueDictionary()
 _MODULES: "weakref.WeakSet[fx.GraphModule]" = weakref.WeakSet()
+_MODULES_LOCK = threading.Lock()  # a WeakSet's iteration breaks on another thread's add (a compile)
 
 
 def cone_modules() -> list[fx.GraphModule]:
     """The cones of the live tabulated ops (count_syncs places their syncs at the op's line)."""
-    return list(_MODULES)
+    with _MODULES_LOCK:
+        return list(_MODULES)
 
 
 class TabulatedOp:
@@ -188,7 +191,8 @@ class TabulatedOp:
                  fingerprint: tuple, batch: Optional["_Batch"] = None, wheres: tuple = ()) -> None:
         self.module = module
         self.batch = batch
-        _MODULES.add(module)
+        with _MODULES_LOCK:
+            _MODULES.add(module)
         self.leaf_pos = leaf_pos
         self.index_pos = index_pos
         self.module_index_pos = module_index_pos
@@ -311,7 +315,8 @@ class _Batch:
         node.meta["stack_trace"] = stack_trace
         g.output(node)
         self.call = fx.GraphModule(torch.nn.Module(), g, class_name="NosyncBatchedOp")
-        _MODULES.add(self.call)
+        with _MODULES_LOCK:
+            _MODULES.add(self.call)
         self.shape, self.stride = tuple(example.shape), tuple(example.stride())
         self.core_dims = core_dims
         self.max_order = BATCHED_CPU_MAX_ORDER.get(op, sys.maxsize)

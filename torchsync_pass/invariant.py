@@ -432,12 +432,16 @@ class InvariantRunner:
 
     def forget(self) -> None:
         """Drop the cached values (Note [Writes behind the version counter across graphs])."""
+        self._replace_memos({})
+
+    def _replace_memos(self, memos: dict) -> None:
+        """``memos`` for the runner's, and no last call. NOTE: the memos dropped are emptied too,
+        under the lock: a miss in another thread may hold one it took before and look its leaves
+        up there afterwards, where no later forget_all would reach it."""
         with self._lock:
-            # NOTE: emptied too, not only dropped: a miss in another thread may hold one it took
-            # before this forget and look its leaves up there afterwards
             for memo in list(self.memos.values()):
                 memo.clear()
-            self.memos, self.last = {}, None
+            self.memos, self.last = memos, None
 
     def run_whole(self, args: tuple) -> Any:
         counters()["invariant_aliased_calls"] += 1
@@ -486,7 +490,7 @@ class InvariantRunner:
             # One state's memo at a time: the byte limit bounds the runner's cached tensors as a
             # whole (a switch of grad mode, thread count, ... recomputes on the way back).
             memo = ConeMemo(self.declared, self.size, self._leaf_died)
-            self.memos, self.last = {state: memo}, None
+            self._replace_memos({state: memo})
         # The fast path's key and the memo's fingerprints are taken before the values: a leaf
         # written while they are computed (by another thread) then misses on the next call.
         last = self.last  # read once: another thread may set it to None (forget, a leaf's death)
