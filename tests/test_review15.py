@@ -467,3 +467,12 @@ def test_freezing_is_never_silent():
     details = [d.detail for d in torchsync_pass.decisions() if d.reason.name == "CONSTANT_LEAF"]
     assert details and all("freezing" in d for d in details)
     torch._dynamo.reset()
+
+
+def test_inductor_key_in_options_says_where_it_goes():
+    # an Inductor setting passed in nosync's options was refused without saying how to pass it
+    import pytest
+
+    f = torch.compile(lambda x: x + 1, backend="nosync", options={"max_autotune": True})
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match=r"torch\._inductor\.config\.patch"):
+        f(torch.ones(2))

@@ -62,7 +62,8 @@ class Options:
         if unknown:
             raise NosyncOptionsError(
                 f"nosync: unknown option(s) {', '.join(map(repr, unknown))}; "
-                f"valid options are: {', '.join(valid)}"
+                f"valid options are: {', '.join(valid)} (Inductor's own settings go through "
+                "torch._inductor.config.patch(...) around the compile, or mode=...)"
             )
         kw: dict[str, Any] = {}
         for name, value in options.items():
