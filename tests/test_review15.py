@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
+import pytest
 import torch
 
 import torchsync_pass
@@ -436,37 +438,86 @@ def test_self_test_never_loads_a_saved_frame(tmp_path):
     assert outs == ["[]", "[]"], outs  # no hook that failed to fire, in either process
 
 
-def test_freezing_is_never_silent():
-    # torch._inductor.config.freezing=True makes Dynamo pass module tensors as graph constants:
-    # a sync on a buffer was rejected as "a tensor created inside the step" and nothing was cached,
-    # without a word
+class _ScaledByBuffer(torch.nn.Module):
+    def __init__(self, inner_no_grad=False):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(1.5))
+        self.inner_no_grad = inner_no_grad
+
+    def forward(self, x):
+        with torch.no_grad() if self.inner_no_grad else contextlib.nullcontext():
+            return x * self.scale.item()
+
+
+def _under_freezing(f, x, strict):
+    """``f(x)`` with Inductor's freezing on: (output or None when NosyncError, warned?)."""
     import warnings
 
     import torch._inductor.config as inductor_config
 
-    from torchsync_pass import backend
+    from torchsync_pass import cone
 
-    class M(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("scale", torch.tensor(1.5))
+    cone.WARNED_FROZEN.clear()
+    out = None
+    with inductor_config.patch(freezing=True), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            out = f(x)
+        except torchsync_pass.NosyncError as e:
+            assert "freezing" in str(e) and strict
+    torch._dynamo.reset()
+    return out, any("freezing" in str(w.message) for w in seen)
 
-        def forward(self, x):
-            return x * self.scale.item()
+
+@pytest.mark.parametrize("inner_no_grad", [False, True])
+def test_freezing_is_never_silent(inner_no_grad):
+    # torch._inductor.config.freezing=True makes Dynamo pass module tensors as graph constants:
+    # a sync on a buffer was rejected as "a tensor created inside the step" and nothing was cached,
+    # without a word (also when forward enters no_grad itself and grad is on outside)
+    for strict in (False, True):
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+        m = _ScaledByBuffer(inner_no_grad)
+        f = torch.compile(m, backend="nosync", options={**EAGER, "strict": strict})
+        x = torch.ones(3)
+        with contextlib.nullcontext() if inner_no_grad else torch.no_grad():
+            out, warned = _under_freezing(f, x, strict)
+            if strict:
+                assert out is None, "strict=True did not raise"
+            else:
+                assert warned
+                assert_bitwise(out, m(x))
+                details = [d.detail for d in torchsync_pass.decisions() if d.reason.name == "CONSTANT_LEAF"]
+                assert details and all("freezing" in d for d in details)
+
+
+def test_freezing_without_module_tensors_is_not_refused():
+    # the first fix warned (and raised under strict) for any graph compiled with freezing on
+    def step(x, s):
+        return x * s.item()
 
     torch._dynamo.reset()
     torchsync_pass.reset()
-    backend._WARNED_FROZEN.clear()
-    m = M()
-    f = torch.compile(m, backend="nosync", options=EAGER)
-    x = torch.ones(3)
-    with inductor_config.patch(freezing=True), torch.no_grad(), warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        assert_bitwise(f(x), m(x))
-    assert any("freezing" in str(w.message) for w in seen)
-    details = [d.detail for d in torchsync_pass.decisions() if d.reason.name == "CONSTANT_LEAF"]
-    assert details and all("freezing" in d for d in details)
-    torch._dynamo.reset()
+    f = torch.compile(step, backend="nosync", options={**EAGER, "strict": True})
+    x, s = torch.ones(3), torch.tensor(2.0)
+    with torch.no_grad():
+        out, warned = _under_freezing(lambda x: f(x, s), x, strict=True)
+    assert not warned and out is not None
+    assert_bitwise(out, step(x, s))
+
+
+def test_caching_precompile_leaves_a_direct_backend_call_alone():
+    # the refusal fired for nosync called directly on a GraphModule, which saves nothing
+    from torchsync_pass.backend import nosync
+
+    if not hasattr(torch._dynamo.config, "caching_precompile"):
+        pytest.skip(f"torch {torch.__version__} has no caching precompile")
+    gm = torch.fx.symbolic_trace(lambda x: (x * 2).sin())
+    x = torch.randn(3)
+    with torch._dynamo.config.patch(caching_precompile=True):
+        out = nosync(gm, [x], options=EAGER)(x)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    assert_bitwise(out, gm(x))
 
 
 def test_inductor_key_in_options_says_where_it_goes():

@@ -30,7 +30,8 @@ private name                                                     used by
 ``torch._inductor.compile_fx.compile_fx``                        :func:`inductor_compile`
 ``fn._torchdynamo_orig_callable`` (a ``disable`` wrapper)         :func:`undisabled`
 ``torch._inductor.list_mode_options``                            :func:`inductor_mode_options`
-``torch._inductor.config.freezing``                              :func:`inductor_freezing`
+``torch._inductor.config.freezing``, ``torch._dynamo.config``    :func:`freezing_on`
+``.prepare_freezing``
 ``torch._ops.OpOverload`` / ``OpOverloadPacket``                 :func:`is_op_overload`,
                                                                  :func:`is_op_packet`
 ``torch._ops.HigherOrderOperator``                               :func:`is_higher_order_op`
@@ -270,12 +271,14 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, config_patc
     return undisabled(compile_fx(gm, example_inputs, config_patches=config_patches))
 
 
-def inductor_freezing() -> bool:
-    """``torch._inductor.config.freezing``: Dynamo then passes a module's parameters and buffers
-    into the graph as constants (``get_attr``) instead of inputs under no_grad."""
+def freezing_on() -> bool:
+    """``torch._inductor.config.freezing`` or ``torch._dynamo.config.prepare_freezing``: Dynamo then
+    passes a module's parameters and buffers into the graph as constants (``get_attr``) instead of
+    inputs (the first under no_grad, as Dynamo's trace sees grad mode)."""
+    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as config
 
-    return bool(getattr(config, "freezing", False))
+    return bool(getattr(config, "freezing", False) or getattr(dynamo_config, "prepare_freezing", False))
 
 
 def undisabled(fn: Any) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -25,7 +24,7 @@ import torch
 
 from . import _torch_private, cone, dynamo_hooks, guards, inop, names, rewrite
 from .invariant import cache_invariant, with_guard_token
-from .errors import NosyncError, NosyncOptionsError
+from .errors import NosyncError, NosyncOptionsError, never_silent
 from .report import DECISIONS, Action, Reason
 
 log = logging.getLogger(__name__)
@@ -237,7 +236,8 @@ def _refuse_saved_frames() -> None:
     saves for another process (``aot_compile``, caching precompile) cannot carry them."""
     what = ("torch.compile(...).aot_compile(...)" if dynamo_hooks.in_aot_compile()
             else "torch._dynamo.config.caching_precompile (TORCH_CACHING_PRECOMPILE=1)"
-            if dynamo_hooks.caching_precompile_on() else None)
+            if dynamo_hooks.caching_precompile_on() and dynamo_hooks.current_frame()[0] is not None
+            else None)  # (a backend called directly on a GraphModule saves nothing)
     if what is not None:
         raise NosyncError(
             f"nosync: {what} is not supported: it saves the compiled frame for another process, and "
@@ -252,7 +252,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     if mode is not None and mode not in MODES:
         raise NosyncOptionsError(f"nosync: unknown mode {mode!r}; valid modes are: {', '.join(MODES)}")
     _refuse_saved_frames()
-    _warn_frozen(opts)
+    _warn_frozen(gm, opts)
     if dynamo_hooks.backend_hidden():
         _hidden_backend(opts)
     # NOTE: also here, not only at sync sites: invariant caching reads the declared names too
@@ -305,37 +305,21 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
 def _hidden_backend(opts: Options) -> None:
     """The frame reached nosync through a backend wrapper the hooks could not see through: its
     syncs were traced as stock Dynamo traces them."""
-    _never_silent(opts, _WARNED_HIDDEN,
-                  "nosync: this frame was compiled through a backend wrapper that hides the nosync backend "
-                  "from its tracing hooks, so no sync in it was hoisted or rewritten (the graph is stock "
-                  "Dynamo's). Pass backend='nosync' (or a NosyncBackend) to torch.compile directly, or give "
-                  "the wrapper an attribute `compiler_fn` (or `__wrapped__`) holding the nosync backend.")
+    never_silent(opts.strict, _WARNED_HIDDEN,
+                 "nosync: this frame was compiled through a backend wrapper that hides the nosync backend "
+                 "from its tracing hooks, so no sync in it was hoisted or rewritten (the graph is stock "
+                 "Dynamo's). Pass backend='nosync' (or a NosyncBackend) to torch.compile directly, or give "
+                 "the wrapper an attribute `compiler_fn` (or `__wrapped__`) holding the nosync backend.")
 
 
-def _warn_frozen(opts: Options) -> None:
-    """Inductor's freezing makes Dynamo pass module tensors as graph constants, with no input to
-    guard on."""
-    if not _torch_private.inductor_freezing() or torch.is_grad_enabled():
-        return
-    _never_silent(opts, _WARNED_FROZEN,
-                  "nosync: torch._inductor.config.freezing=True: under no_grad Dynamo passes a module's "
-                  "parameters and buffers into the graph as constants (not inputs), so no sync on them and "
-                  "no tensor computed from them is hoisted or cached (decisions: CONSTANT_LEAF). Turn "
-                  "freezing off for nosync.")
-
-
-def _never_silent(opts: Options, warned: list, msg: str) -> None:
-    """An error under ``strict``; else a warning (once per process and kind: ``warned``) and a log."""
-    if opts.strict:
-        raise NosyncError(msg)
-    if not warned:
-        warned.append(True)
-        warnings.warn(msg, stacklevel=3)
-    log.warning(msg)
+def _warn_frozen(gm: torch.fx.GraphModule, opts: Options) -> None:
+    """The graph holds module tensors as constants (Inductor's freezing): no invariant tensor is
+    cached from them (a sync on one warns at its decision: guards.decide)."""
+    if any(n.op == "get_attr" for n in gm.graph.nodes) and _torch_private.freezing_on():
+        never_silent(opts.strict, cone.WARNED_FROZEN, cone.FREEZING_WARNING)
 
 
 _WARNED_HIDDEN: list = []
-_WARNED_FROZEN: list = []
 
 
 def keep_nosync_guards(guard_filter_fn: Callable[[list], list]) -> Callable[[list], list]:

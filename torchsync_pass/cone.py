@@ -486,6 +486,12 @@ def written_nodes(node: fx.Node) -> list[fx.Node]:
     return list(dict.fromkeys(written + hidden_written_nodes(node)))  # each node once, in order
 
 
+FREEZING_WARNING = ("nosync: with Inductor's freezing (torch._inductor.config.freezing=True, under no_grad; "
+                    "or torch._dynamo.config.prepare_freezing) Dynamo passes a module's parameters and "
+                    "buffers into the graph as constants (not inputs), so no sync on them and no tensor "
+                    "computed from them is hoisted or cached (decisions: CONSTANT_LEAF). Turn freezing "
+                    "off for nosync.")
+WARNED_FROZEN: list = []  # the warning once per process
 FREEZING_NOTE = ("; torch._inductor.config.freezing=True makes Dynamo pass the module's parameters and "
                  "buffers as graph constants, which nosync cannot guard: nothing computed from them is "
                  "hoisted or cached (turn freezing off for nosync)")
@@ -495,7 +501,7 @@ def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
     name = _target_name(node)
     if node.op == "get_attr":
         return Reason.CONSTANT_LEAF, f"reads graph attribute {node.target!r}" + (
-            FREEZING_NOTE if _torch_private.inductor_freezing() else "")
+            FREEZING_NOTE if _torch_private.freezing_on() else "")
     if node.op == "call_module":
         return Reason.SUBGRAPH, f"calls module {node.target!r}"
     if node.op not in ("call_function", "call_method"):

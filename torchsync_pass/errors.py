@@ -12,3 +12,17 @@ class NosyncOptionsError(NosyncError, ValueError):
 class VerificationError(NosyncError):
     """Compiled output differs from eager (raised when ``verify`` and ``strict`` are on)."""
 
+
+
+def never_silent(strict: bool, warned: list, msg: str) -> None:
+    """Something nosync could not do: ``NosyncError`` under ``strict``; else a warning (once per
+    process and kind: ``warned``, a list the caller keeps) and a log line each time."""
+    import logging
+    import warnings
+
+    if strict:
+        raise NosyncError(msg)
+    if not warned:
+        warned.append(True)
+        warnings.warn(msg, stacklevel=3)
+    logging.getLogger("torchsync_pass").warning(msg)

@@ -40,8 +40,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import _torch_private, dynamo_hooks, names
-from .cone import (HOISTED_LEAF_META, ConeResult, _autocast_devices, analyze_cone, cone_of, storage_of,
-                   hidden_writes_to_hoisted, mark_hoisted, state_region_of, written_storages)
+from .cone import (FREEZING_NOTE, FREEZING_WARNING, HOISTED_LEAF_META, WARNED_FROZEN, ConeResult,
+                   _autocast_devices, analyze_cone, cone_of, hidden_writes_to_hoisted, mark_hoisted,
+                   state_region_of, storage_of, written_storages)
+from .errors import never_silent
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
 
 log = logging.getLogger(__name__)
@@ -341,7 +343,11 @@ class ConeMemo:
     def clear(self) -> None:
         """Forget every entry (the memo object stays: checks hold it)."""
         with self.lock:
-            self.entries.clear()
+            # NOTE: the entries die after the lock is let go: a cached value that is another memo's
+            # leaf runs that memo's _leaf_died, which takes its lock (two memos cleared by two
+            # threads would otherwise wait for each other)
+            dropped, self.entries = self.entries, []
+        del dropped
 
     def lookup(self, leaves: tuple) -> Optional[_Entry]:
         # Hot path (every guard evaluation): plain loops, no generators, no helper calls for the
@@ -384,7 +390,8 @@ class ConeMemo:
         while it holds the lock): a clear() from another thread's forget_all must not land between
         the read of the entries and the assignment, which would put them back."""
         with self.lock:
-            self.entries = [e for e in self.entries if all(r() is not None for r in e.refs)]
+            dropped, self.entries = self.entries, [e for e in self.entries if all(r() is not None for r in e.refs)]
+        del dropped  # outside the lock: see clear
         if self.on_dead is not None:
             self.on_dead()
 
@@ -423,7 +430,8 @@ class ConeMemo:
                 else:
                     live.append(x)
             del live[self.size :]
-            self.entries = live
+            dropped, self.entries = self.entries, live
+        del dropped  # outside the lock: see clear
         return e
 
 
@@ -685,6 +693,8 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         if lifted is not None:
             return lifted
     if not result.ok:
+        if result.reason is Reason.CONSTANT_LEAF and FREEZING_NOTE in result.detail:
+            never_silent(opts.strict, WARNED_FROZEN, FREEZING_WARNING)
         return _reject(state, result.reason, result.detail, compile_id)
 
     # NOTE: the state keeps weak references only; holding the leaf tensors here would keep a
@@ -1294,8 +1304,8 @@ def forgettable(obj: Any) -> None:
 
 def forget_all() -> None:
     """Forget every value memoised from tensors, and fail every guard's fast path once."""
-    _FORGETS[0] += 1
     with _FORGET_LOCK:  # a registration from another thread (a compile) must not break the walk
+        _FORGETS[0] += 1  # (two threads' forgets count twice)
         objs = list(_FORGETTABLE.values())
     try:
         errors = []
