@@ -506,6 +506,29 @@ def test_freezing_without_module_tensors_is_not_refused():
     assert_bitwise(out, step(x, s))
 
 
+def test_freezing_with_a_higher_order_op_is_not_refused():
+    # a torch.cond's branches are get_attr nodes too: with freezing on, strict=True refused a
+    # function with nothing frozen (also under grad mode, where freezing freezes nothing)
+    def step(x, flag):
+        y = torch.cond(flag, lambda a: a + 1, lambda a: a - 1, (x,)) * 2
+        return y * (y.sum() > 0).item()
+
+    x, flag = torch.randn(4), torch.tensor(True)
+    for grad in (True, False):
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+        try:
+            torch.compile(step, backend="eager")(x, flag)
+        except Exception as e:  # noqa: BLE001 - torch 2.11's cond: nothing to compare
+            pytest.skip(f"stock Dynamo on torch {torch.__version__} cannot trace it: {type(e).__name__}")
+        torch._dynamo.reset()
+        f = torch.compile(step, backend="nosync", options={**EAGER, "strict": True})
+        with torch.set_grad_enabled(grad):
+            out, warned = _under_freezing(lambda x: f(x, flag), x, strict=True)
+            assert not warned and out is not None
+            assert_bitwise(out, step(x, flag))
+
+
 def test_caching_precompile_leaves_a_direct_backend_call_alone():
     # the refusal fired for nosync called directly on a GraphModule, which saves nothing
     from torchsync_pass.backend import nosync

@@ -271,14 +271,15 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, config_patc
     return undisabled(compile_fx(gm, example_inputs, config_patches=config_patches))
 
 
-def freezing_on() -> bool:
-    """``torch._inductor.config.freezing`` or ``torch._dynamo.config.prepare_freezing``: Dynamo then
-    passes a module's parameters and buffers into the graph as constants (``get_attr``) instead of
-    inputs (the first under no_grad, as Dynamo's trace sees grad mode)."""
+def freezing_on(grad_enabled: Optional[bool] = None) -> bool:
+    """Does Dynamo pass a module's parameters and buffers into the graph as constants (``get_attr``)
+    instead of inputs: ``torch._inductor.config.freezing`` with grad mode off (as Dynamo's trace
+    sees it: ``grad_enabled``; None: either), or ``torch._dynamo.config.prepare_freezing``."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as config
 
-    return bool(getattr(config, "freezing", False) or getattr(dynamo_config, "prepare_freezing", False))
+    frozen = bool(getattr(config, "freezing", False)) and grad_enabled is not True
+    return frozen or bool(getattr(dynamo_config, "prepare_freezing", False))
 
 
 def undisabled(fn: Any) -> Any:

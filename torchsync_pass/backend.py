@@ -315,7 +315,9 @@ def _hidden_backend(opts: Options) -> None:
 def _warn_frozen(gm: torch.fx.GraphModule, opts: Options) -> None:
     """The graph holds module tensors as constants (Inductor's freezing): no invariant tensor is
     cached from them (a sync on one warns at its decision: guards.decide)."""
-    if any(n.op == "get_attr" for n in gm.graph.nodes) and _torch_private.freezing_on():
+    # (grad mode here is the caller's, not necessarily the trace's: a no_grad block inside forward)
+    if _torch_private.freezing_on() and any(
+            n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None), torch.Tensor) for n in gm.graph.nodes):
         never_silent(opts.strict, cone.WARNED_FROZEN, cone.FREEZING_WARNING)
 
 

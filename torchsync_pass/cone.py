@@ -500,8 +500,11 @@ FREEZING_NOTE = ("; torch._inductor.config.freezing=True makes Dynamo pass the m
 def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
     name = _target_name(node)
     if node.op == "get_attr":
-        return Reason.CONSTANT_LEAF, f"reads graph attribute {node.target!r}" + (
-            FREEZING_NOTE if _torch_private.freezing_on() else "")
+        # (a tensor constant, not a higher-order op's subgraph, while the trace's grad mode lets
+        # freezing make module tensors constants)
+        frozen = (isinstance(_torch_private.example_value(node), torch.Tensor)
+                  and _torch_private.freezing_on(torch.is_grad_enabled()))
+        return Reason.CONSTANT_LEAF, f"reads graph attribute {node.target!r}" + (FREEZING_NOTE if frozen else "")
     if node.op == "call_module":
         return Reason.SUBGRAPH, f"calls module {node.target!r}"
     if node.op not in ("call_function", "call_method"):
