@@ -550,3 +550,148 @@ def test_inductor_key_in_options_says_where_it_goes():
     f = torch.compile(lambda x: x + 1, backend="nosync", options={"max_autotune": True})
     with pytest.raises(torchsync_pass.NosyncOptionsError, match=r"torch\._inductor\.config\.patch"):
         f(torch.ones(2))
+
+
+def test_runner_miss_during_another_threads_forget_walk_is_not_kept(monkeypatch):
+    # forget_all counted first, then walked the memos: a miss that took its fingerprints after the
+    # count but found the entry of before the write (its memo not yet reached) stored it after the
+    # walk had reset the runner, and it was served on every later call
+    def step(x, t):
+        return x + t.exp()
+
+    go = threading.Event()
+
+    class PausesTheWalk:  # registered first, so first in forget_all's walk
+        armed = False
+
+        def forget(self):
+            if PausesTheWalk.armed:
+                PausesTheWalk.armed = False
+                go.wait(2.0)
+
+    pause = PausesTheWalk()
+    guards.forgettable(pause)
+    with torch.no_grad():
+        r, w, x, t1, t2, d = _two_requests_and_a_writer(step)
+    guards.forgettable(pause)  # (reset() in the helper keeps the registry; again, to be sure)
+    state = {"fire": False, "th": None}
+    fingerprints, lookup = guards.ConeMemo.fingerprints, guards.ConeMemo.lookup
+
+    def fingerprints_in_the_walk(self, leaves):  # taken while the writer's walk is paused
+        if state["fire"]:
+            state["fire"] = False
+            PausesTheWalk.armed = True
+
+            def writer():
+                with torch.no_grad():
+                    w(t1, d)
+
+            th = state["th"] = threading.Thread(target=writer)
+            th.start()
+            while PausesTheWalk.armed and th.is_alive():
+                th.join(0.001)
+        return fingerprints(self, leaves)
+
+    def lookup_then_finish_the_walk(self, leaves):
+        e = lookup(self, leaves)  # the entry of before the write
+        if state["th"] is not None:
+            th, state["th"] = state["th"], None
+            go.set()
+            th.join(2.0)
+            assert not th.is_alive(), "the writer did not finish"
+        return e
+
+    monkeypatch.setattr(guards.ConeMemo, "fingerprints", fingerprints_in_the_walk)
+    monkeypatch.setattr(guards.ConeMemo, "lookup", lookup_then_finish_the_walk)
+    with torch.no_grad():
+        r(x, t2)
+        state["fire"] = True
+        r(x, t1)
+        assert not state["fire"] and state["th"] is None, "the thread switch was not forced"
+        assert_bitwise(r(x, t1), step(x, t1))
+
+
+def test_aliased_call_forgets_after_its_write(monkeypatch):
+    # InvariantRunner.run_whole (a written argument sharing a leaf's memory) forgot only before the
+    # write, which may not move the leaf's version (.data): another thread's call in between cached
+    # the leaf as it was, and later calls were served it
+    import gc
+
+    from torchsync_pass import invariant
+
+    class WritesAnArgument(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.arange(8.0) / 7.0)
+
+        def forward(self, x, y):
+            x.add_(1.0)
+            return y * self.table.cumsum(0)
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    m, ref = WritesAnArgument(), WritesAnArgument()
+    f = torch.compile(m, backend="nosync", options=EAGER)
+    y = torch.ones(8)
+    before = {id(o) for o in gc.get_objects() if type(o) is invariant.InvariantRunner}
+    with torch.no_grad():
+        for _ in range(2):
+            f(torch.zeros(8), y), ref(torch.zeros(8), y)
+        [runner] = [o for o in gc.get_objects() if type(o) is invariant.InvariantRunner and id(o) not in before]
+        assert runner._whole_fn is not None
+        fire, whole = [True], runner._whole_fn
+
+        def another_call_then_whole(*args):
+            _run_in_thread_at(fire, lambda: torch.no_grad()(f)(torch.zeros(8), y), timeout=5.0)  # (grad mode is per thread)
+            return whole(*args)
+
+        monkeypatch.setattr(runner, "_whole_fn", another_call_then_whole)
+        f(m.table.data[:], y), ref(ref.table.data[:], y)  # x is the buffer through .data
+        assert not fire[0], "the thread switch was not forced"
+        assert_bitwise(f(torch.zeros(8), y), ref(torch.zeros(8), y))
+
+
+def test_tabulated_aliased_call_forgets_after_its_write(monkeypatch):
+    # the same for a tabulated op (inop.TabulatedStep): its aliased call forgot the tables only
+    # before running the graph that writes them
+    import gc
+
+    from torchsync_pass import inop
+
+    class Sched:
+        def __init__(self, sigmas=None, i=0):
+            self.sigmas = torch.linspace(1.0, 0.1, 9) if sigmas is None else sigmas
+            self.i = i
+
+    def corrector(s, x, w):
+        w.add_(1.0)
+        s0, s1 = s.sigmas[s.i], s.sigmas[s.i + 1]
+        one = torch.ones(())
+        h = torch.log(s1) - torch.log(s0)
+        rhos = torch.linalg.solve(torch.stack([torch.stack([one, s0]), torch.stack([one, s1])]),
+                                  torch.stack([torch.expm1(h), h * 0.5]))
+        s.i += 1
+        return x * rhos[0] + rhos[1]
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    f = torch.compile(corrector, backend="nosync", options=EAGER)
+    x, s = torch.ones(4), Sched()
+    for _ in range(8):
+        f(s, x, torch.zeros(9))
+    steps = [o for o in gc.get_objects() if type(o) is inop.TabulatedStep]
+    assert steps, "nothing tabulated"
+    table, etable = torch.linspace(0.9, 0.1, 9), torch.linspace(0.9, 0.1, 9)
+    for _ in range(2):
+        f(Sched(table, 3), x, torch.zeros(9))
+    fire = [True]
+    for st in steps:
+        def another_call_then_original(*args, original=st.original):
+            _run_in_thread_at(fire, lambda: f(Sched(table, 3), x, torch.zeros(9)), timeout=5.0)
+            return original(*args)
+
+        monkeypatch.setattr(st, "original", another_call_then_original)
+    f(Sched(table, 2), x, table.data[:]), corrector(Sched(etable, 2), x, etable.data[:])
+    assert not fire[0], "the thread switch was not forced"
+    assert torch.equal(table, etable)
+    assert_bitwise(f(Sched(table, 3), x, torch.zeros(9)), corrector(Sched(etable, 3), x, torch.zeros(9)))

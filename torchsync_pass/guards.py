@@ -315,17 +315,20 @@ class _Entry:
 
 
 class _Fps(tuple):
-    """Fingerprints, with the number of :func:`forget_all` calls when they were taken."""
+    """Fingerprints, with the number of :func:`forget_all` calls begun when they were taken, and
+    whether one was running then."""
 
     def __new__(cls, fps: tuple) -> "_Fps":
         self = super().__new__(cls, fps)
-        self.forgets = _FORGETS[0]
+        self.forgets, ended = _FORGETS  # (one read: a list's unpacking holds the GIL)
+        self.quiet = self.forgets == ended
         return self
 
 
 def forgotten_since(fps: tuple) -> bool:
-    """Did :func:`forget_all` run since ``fps`` (:meth:`ConeMemo.fingerprints`) were taken?"""
-    return isinstance(fps, _Fps) and fps.forgets != _FORGETS[0]
+    """Did :func:`forget_all` run since ``fps`` (:meth:`ConeMemo.fingerprints`) were taken, or
+    was one running then (its walk may not have reached the memo they were looked up in yet)?"""
+    return isinstance(fps, _Fps) and (not fps.quiet or fps.forgets != _FORGETS[0])
 
 
 class ConeMemo:
@@ -1291,8 +1294,9 @@ def forget_after_hidden_writes(written: bool, compiled: Callable[..., Any]) -> C
 # site asks its question again (one sync each) on its next call.
 _FORGETTABLE: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _FORGET_LOCK = threading.Lock()
-# forget_all calls so far: a value computed across one (another thread's write) is not memoised
-_FORGETS = [0]
+# forget_all calls begun and ended so far: a value computed across one, or while one runs (another
+# thread's write behind the version), is not memoised
+_FORGETS = [0, 0]
 
 
 def forgettable(obj: Any) -> None:
@@ -1317,6 +1321,8 @@ def forget_all() -> None:
         if errors:
             raise errors[0]
     finally:
+        with _FORGET_LOCK:
+            _FORGETS[1] += 1
         _DEMOTIONS[0] += 1
 
 

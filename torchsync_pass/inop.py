@@ -73,7 +73,7 @@ import torch
 from torch import fx
 
 from . import cone, dynamo_hooks, names
-from .guards import MEMO_SIZE, ConeMemo, counters, forgettable, record_decision, value_state
+from .guards import MEMO_SIZE, ConeMemo, counters, forget_all, forgettable, record_decision, value_state
 from .report import Action, Decision, Reason
 from .tables import TableTooLarge, _int_value, _only_indexes, _SIZE_SOURCES, index_range
 
@@ -415,7 +415,10 @@ class TabulatedStep:
             counters()["table_fallbacks"] += 1
             for op in self.ops:  # the write may not move the input's version (.data, a subclass)
                 op.shared.forget()
-            return self.original(*args)
+            try:
+                return self.original(*args)
+            finally:  # also after it: another thread may have tabulated the input before the write
+                forget_all()
         extra = []
         for op in self.ops:
             ok, value = op.lookup(args)

@@ -446,9 +446,13 @@ class InvariantRunner:
     def run_whole(self, args: tuple) -> Any:
         counters()["invariant_aliased_calls"] += 1
         # the write may not move the leaf's version (through .data, a wrapper subclass): forget
-        # the values computed from it
+        # the values computed from it, also after the write (another thread's miss may cache the
+        # leaf as it was before it: everything forgets, as after a graph that writes so)
         self.forget()
-        return self._whole_fn(*args)
+        try:
+            return self._whole_fn(*args)
+        finally:
+            guards.forget_all()
 
     def miss(self, args: tuple) -> Any:
         """The values for a call that is not the last one's: memo lookup, or the invariant part.
