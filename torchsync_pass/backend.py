@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import _torch_private, cone, dynamo_hooks, guards, inop, names, rewrite
+from . import _torch_private, cone, dynamo_hooks, guards, inop, names, report, rewrite
 from .invariant import cache_invariant, with_guard_token
 from .errors import NosyncError, NosyncOptionsError, never_silent
 from .report import DECISIONS, Action, Reason
@@ -295,6 +295,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         )
     _COMPILED.append(entry)
     del _COMPILED[: -MAX_COMPILED]
+    report.compiled(entry)
     if record is not None:
         record.append(entry)
         del record[: -MAX_COMPILED]

@@ -41,6 +41,7 @@ import types
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from . import report
 from .report import DECISIONS, Decision, SiteKey
 
 log = logging.getLogger(__name__)
@@ -586,22 +587,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _nosync_graphs() -> list[dict]:
-    """The graphs nosync compiled so far in this process (none if its backend was never loaded)."""
-    backend = sys.modules.get(f"{__package__}.backend")
-    return backend.compiled_graphs() if backend is not None else []
-
-
 @contextlib.contextmanager
-def _progress(counter: Any, interval: float) -> Any:
+def _progress(counter: Any, interval: float, decisions: list) -> Any:
     """Prints ``torchsync-explain: 60 s, 412 host syncs so far, 7 nosync decisions`` on stderr
     every ``interval`` seconds while the script runs (a daemon thread that only reads counts)."""
-    stop, t0, decisions0 = threading.Event(), time.monotonic(), len(DECISIONS.all())
+    stop, t0 = threading.Event(), time.monotonic()
 
     def loop() -> None:
         while not stop.wait(interval):
             print(f"{PROG}: {time.monotonic() - t0:.0f} s, {counter.total} host syncs so far, "
-                  f"{len(DECISIONS.all()) - decisions0} nosync decisions", file=sys.stderr, flush=True)
+                  f"{len(decisions)} nosync decisions", file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=loop, name="torchsync-explain-progress", daemon=True)
     if interval > 0:
@@ -629,7 +624,6 @@ def main(argv: list[str] | None = None) -> int:
     from . import counting
 
     counting.register_file(ns.script)
-    n_decisions = DECISIONS.mark()
     verify_ctx: Any = contextlib.nullcontext()
     if ns.verify:
         # imported before the watcher and counter start: its import-time hook self-test compiles
@@ -637,13 +631,13 @@ def main(argv: list[str] | None = None) -> int:
         from . import backend
 
         verify_ctx = backend.forced_options(verify=True)
-    nosync_before = _nosync_graphs()  # kept alive, so their ids stay unique
-    seen_graphs = {id(e) for e in nosync_before}
     watcher = _CompileWatcher()
     watcher.start()
     counter = counting.count_syncs(profiler=not ns.no_profiler)
-    with counter, verify_ctx, _progress(counter, ns.progress):
-        outcome = _run(code, ns.script, list(ns.args), stdout_to_stderr=ns.json)
+    # what the script's compiles recorded, kept even when it calls torchsync_pass.reset()
+    with DECISIONS.tap() as decisions, report.compile_tap() as graphs:
+        with counter, verify_ctx, _progress(counter, ns.progress, decisions):
+            outcome = _run(code, ns.script, list(ns.args), stdout_to_stderr=ns.json)
     # the nosync self-test compiles tiny probes of its own on first use: not the user's functions
     funcs = [
         f for f in watcher.stop()
@@ -653,14 +647,13 @@ def main(argv: list[str] | None = None) -> int:
     notes = [watcher.note] if watcher.note else []
     verification = None
     if ns.verify:
-        verification = [_verification_entry(e) for e in _nosync_graphs() if id(e) not in seen_graphs]
+        verification = [_verification_entry(e) for e in graphs]
         if not verification:
             notes.append("--verify: the nosync backend compiled no graph in this run; nothing was verified")
     rep = build_report(
-        ns.script, list(ns.args), outcome, counter, funcs, DECISIONS.since(n_decisions), notes,
-        verification,
+        ns.script, list(ns.args), outcome, counter, funcs, decisions, notes, verification,
     )
-    rep["nosync_graphs"] = sum(id(e) not in seen_graphs for e in _nosync_graphs())
+    rep["nosync_graphs"] = len(graphs)
     hooks = sys.modules.get(f"{__package__}.dynamo_hooks")
     rep["nosync_disabled"] = hooks.disabled_reason() if hooks is not None else None
     if ns.json:

@@ -9,12 +9,13 @@ This module is pure Python (no torch import) so the CLI can render reports cheap
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import linecache
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 
 @dataclass(frozen=True, order=True)
@@ -166,11 +167,27 @@ class DecisionLog:
     _items: deque = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _added: int = 0  # records ever added (never reset), for since()
+    _taps: list = field(default_factory=list)  # lists open through tap(): see there
 
     def add(self, d: Decision) -> None:
         with self._lock:
             self._items.append(d)
             self._added += 1
+            for t in self._taps:
+                t.append(d)
+
+    @contextlib.contextmanager
+    def tap(self) -> Iterator[list[Decision]]:
+        """A list that receives every record added while the block runs, in order; ``clear()``
+        (``torchsync_pass.reset()`` inside the block) does not empty it (explain's record)."""
+        got: list[Decision] = []
+        with self._lock:
+            self._taps.append(got)
+        try:
+            yield got
+        finally:
+            with self._lock:
+                self._taps.remove(got)
 
     def all(self) -> list[Decision]:
         with self._lock:
@@ -198,6 +215,33 @@ DECISIONS = DecisionLog()
 def decisions() -> list[Decision]:
     """All nosync decisions taken in this process so far."""
     return DECISIONS.all()
+
+
+# The backend's compile records (``backend.compiled_graphs()``) as explain sees them: the backend
+# hands each new record to the lists open here, which ``torchsync_pass.reset()`` does not empty
+# (kept in this module, which explain imports without loading the backend).
+_COMPILE_TAPS: list[list] = []
+_COMPILE_TAPS_LOCK = threading.Lock()
+
+
+def compiled(entry: dict) -> None:
+    """Called by the backend for each graph it compiled."""
+    with _COMPILE_TAPS_LOCK:
+        for t in _COMPILE_TAPS:
+            t.append(entry)
+
+
+@contextlib.contextmanager
+def compile_tap() -> Iterator[list[dict]]:
+    """A list that receives every compile record the backend makes while the block runs."""
+    got: list[dict] = []
+    with _COMPILE_TAPS_LOCK:
+        _COMPILE_TAPS.append(got)
+    try:
+        yield got
+    finally:
+        with _COMPILE_TAPS_LOCK:
+            _COMPILE_TAPS.remove(got)
 
 
 _guard_tls = threading.local()
