@@ -85,14 +85,29 @@ Point = collections.namedtuple("Point", ["x", "y"])
 # --------------------------------------------------------------------------------------------
 
 
-def test_equal_tensors_and_same_place_nans_are_equal():
+def test_equal_tensors_and_nans_with_the_same_bits_are_equal():
     x = torch.tensor([1.0, float("nan"), -2.5, float("inf")])
     assert compare_outputs(x, x.clone()) == []
-    # A NaN with another payload in the same place still counts as equal.
-    other_nan = x.clone()
-    other_nan.view(torch.int32)[1] = 0x7FC00001
-    assert torch.isnan(other_nan[1])
-    assert compare_outputs(x, other_nan) == []
+    # A NaN with another payload or sign in the same place differs: the comparison is of bits
+    # (review 16: it counted as equal, and verify_loop called a NaN whose sign the compile lost
+    # "bitwise equal").
+    for bits in (0x7FC00001, -0x400000):  # another payload; the sign bit (0xFFC00000)
+        other_nan = x.clone()
+        other_nan.view(torch.int32)[1] = bits
+        assert torch.isnan(other_nan[1])
+        m = only(compare_outputs(x, other_nan))
+        assert m.diffs == (Diff.VALUE,) and m.num_different == 1 and m.index == (1,)
+        assert math.isnan(m.max_abs) and "NaN on both sides with another sign or payload" in m.detail
+        assert f"0x{bits & 0xFFFFFFFF:08x}" in m.detail
+    # a number that differs too is what max_abs reports
+    other = x.clone()
+    other.view(torch.int32)[1] = 0x7FC00001
+    other[0] = 1.5
+    m = only(compare_outputs(x, other))
+    assert m.num_different == 2 and m.max_abs == 0.5 and m.index == (0,)
+    # Python floats: the same rule
+    assert compare_outputs(float("nan"), float("nan")) == []
+    assert "another sign or payload" in only(compare_outputs(float("nan"), -float("nan"))).detail
 
 
 def test_negative_zero_differs_from_zero():

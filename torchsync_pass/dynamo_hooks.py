@@ -2041,6 +2041,10 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
     if name is not None:
         _rewriter.refuse_branch(site, "BRANCH_VALUES", f"the test is a {name}: its own __bool__ would not run")
         return False
+    if ex.dtype == torch.uint64:
+        _rewriter.refuse_branch(site, "BRANCH_VALUES", "the test is a uint64 tensor: bool() raises on a value "
+                                "of 2**63 or more (it does not fit int64), a select would not")
+        return False
     use = RewriteUse("branch", "", 0)
     try:
         arm_a, arm_b, join = _branch_arms(tx, inst)

@@ -738,7 +738,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
 
     srcs = [l.source for l in result.leaves]
     mark_hoisted(dataclasses.replace(result, nodes=traced_nodes), owner=(key, fp))
-    check = SiteCheck(state, cone, spec, srcs, bits, _written_inputs_of(compile_id))
+    check = SiteCheck(state, cone, spec, srcs, bits, _written_inputs_of(compile_id), compile_id)
     _register_check(site.frame_code, check, dynamo_hooks.frame_owner(site), dynamo_hooks.calling_code_keys())
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r}")
     _record(state, Action.HOISTED, Reason.INVARIANT_CONE,
@@ -876,8 +876,9 @@ class SiteCheck:
     """The guard of one cache entry of one site: ``check(L, G) -> bool``, True when unchanged."""
 
     def __init__(self, state: SiteState, cone: ConeState, spec: Spec, sources: list[str], bits: tuple,
-                 written: Optional[WrittenInputs] = None) -> None:
+                 written: Optional[WrittenInputs] = None, compile_id: Optional[str] = None) -> None:
         self.state = state
+        self.compile_id = compile_id  # the compile whose cache entry this guards
         self.written = written if written is not None else WrittenInputs()
         self.cone = cone
         self.spec = spec
@@ -944,8 +945,10 @@ class SiteCheck:
         compiling = dynamo_hooks.compiling
         # the stock entry compiled after demotion serves this call; but Dynamo's own check of a
         # fresh entry (on the trace's inputs, whose value is right) must pass: a site can be
-        # demoted once the whole graph is known (demote_hidden_writes)
-        if state.demoted is not None and not compiling():
+        # demoted once the whole graph is known (demote_hidden_writes). An older entry checked
+        # while Dynamo compiles (to log why it recompiles) fails at once, without a sync.
+        if state.demoted is not None and (
+                not compiling() or dynamo_hooks.current_compile_id() != self.compile_id):
             return self._fail_demoted()
         c = counters()
         try:
@@ -1173,7 +1176,7 @@ def _demote(state: SiteState, reason: Reason, detail: str, compile_id: Optional[
 
 
 def _budget_exhausted(site: dynamo_hooks.SyncSite) -> bool:
-    """Rule 1: True once the frame has used half of ``recompile_limit``.
+    """Rule 1: True once the frame has used half of ``recompile_limit`` (rounded down).
 
     ``max_specializations`` bounds the values of one site, but Dynamo keeps one cache entry per
     *combination* of hoisted values (4 two-valued sites: 16 entries). From this compile on, every
@@ -1183,7 +1186,9 @@ def _budget_exhausted(site: dynamo_hooks.SyncSite) -> bool:
     """
     if site.frame_code in _budget_frames:
         return True
-    if site.frame_compile >= max(1, dynamo_hooks.recompile_limit() // 2):
+    # recompile_limit 1 leaves no recompile for a value that changes: nothing is hoisted (with a
+    # hoist, Dynamo would run every later request's frame uncompiled, after the guard's sync)
+    if site.frame_compile >= dynamo_hooks.recompile_limit() // 2:
         _budget_frames.add(site.frame_code)
         return True
     return False

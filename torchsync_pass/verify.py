@@ -2,8 +2,8 @@
 
 A sync-removal pass is only worth using if it provably never changes a result, so "equal" here is
 strict: two tensors are equal when they have the same dtype, shape, significant strides and device
-and the same *bit patterns* element by element (``-0.0`` and ``0.0`` differ; NaNs in the same places
-count as equal whatever their payload). ``torch.allclose`` is never used. Where a difference is
+and the same *bit patterns* element by element (``-0.0`` and ``0.0`` differ, and so do two NaNs
+with another sign or payload). ``torch.allclose`` is never used. Where a difference is
 expected (Inductor against eager on CPU) it is *reported* as the largest absolute difference and the
 largest distance in units in the last place (ULP), never hidden behind a tolerance.
 
@@ -99,8 +99,9 @@ class Mismatch:
     """One leaf of an output that is not bitwise equal to the expected one.
 
     ``max_abs`` is the largest absolute difference over the differing elements (``nan`` when a NaN
-    sits on one side only); ``max_ulp`` the largest distance in units in the last place, for
-    float16, bfloat16, float32 and float64 (complex: per component), ``None`` where undefined.
+    sits on one side only, or when only NaNs' sign or payload bits differ); ``max_ulp`` the largest
+    distance in units in the last place, for float16, bfloat16, float32 and float64 (complex: per
+    component), ``None`` where undefined.
     ``index`` is an element with the largest difference and ``expected_value``/``actual_value`` the
     values there. ``source`` names the user lines that produced the output, when known.
     """
@@ -310,39 +311,40 @@ def _value_mismatch(e: torch.Tensor, a: torch.Tensor) -> dict[str, Any] | None:
     ev, av = _real_view(e), _real_view(a)
     differ = eb != ab
     if ev.is_floating_point():
-        both_nan = ev.isnan() & av.isnan()
-        differ = differ & ~both_nan
-        one_nan = ev.isnan() ^ av.isnan()
+        e_nan, a_nan = ev.isnan(), av.isnan()
+        one_nan = e_nan ^ a_nan
+        nan_bits = differ & e_nan & a_nan  # NaN on both sides, with another sign or payload
     else:
-        one_nan = torch.zeros_like(differ)
+        one_nan = nan_bits = torch.zeros_like(differ)
     if e.is_complex():
         # A complex element differs when either component does.
-        differ = differ.any(-1)
-        one_nan = one_nan.any(-1)
+        differ, one_nan, nan_bits = differ.any(-1), one_nan.any(-1), nan_bits.any(-1)
     n_diff = int(differ.sum().item())
-    if n_diff == 0:
-        return None  # only NaN payloads differ
     res: dict[str, Any] = {"num_different": n_diff}
-    n_one_nan = int(one_nan.sum().item())
+    n_one_nan, n_nan_bits = int(one_nan.sum().item()), int(nan_bits.sum().item())
     what = f"values differ in {n_diff} of {e.numel()} elements"
     if n_one_nan:
         what += f" ({n_one_nan} NaN on one side only)"
+    if n_nan_bits:
+        what += f" ({n_nan_bits} NaN on both sides with another sign or payload)"
     res["detail"] = what
 
-    # Largest absolute difference (and where), over the differing elements.
+    # Largest absolute difference (and where), over the differing elements that are numbers on
+    # both sides.
+    numeric = differ & ~one_nan & ~nan_bits
     if e.dtype == torch.bool:
         absdiff = differ.to(torch.float64)
     elif e.is_complex():
         absdiff = (e.to(torch.complex128) - a.to(torch.complex128)).abs()
     else:
         absdiff = (e.to(torch.float64) - a.to(torch.float64)).abs()
-    absdiff = torch.where(differ, absdiff, torch.zeros_like(absdiff))
-    if n_one_nan:
+    absdiff = torch.where(numeric, absdiff, torch.zeros_like(absdiff))
+    if n_one_nan or not bool(numeric.any()):  # shown: a NaN on one side, else NaNs' bits
         res["max_abs"] = math.nan
-        flat = int(torch.nonzero(one_nan.reshape(-1))[0].item())
+        flat = int(torch.nonzero((one_nan if n_one_nan else nan_bits).reshape(-1))[0].item())
     else:
         # A -0.0 vs 0.0 difference has abs diff 0 but still differs; prefer the largest, then any.
-        score = torch.where(differ, absdiff + 1.0, torch.zeros_like(absdiff)).reshape(-1)
+        score = torch.where(numeric, absdiff + 1.0, torch.zeros_like(absdiff)).reshape(-1)
         flat = int(score.argmax().item())
         res["max_abs"] = float(absdiff.max().item())
         if ev.dtype in _ULP_INT:
@@ -352,6 +354,10 @@ def _value_mismatch(e: torch.Tensor, a: torch.Tensor) -> dict[str, Any] | None:
     res["index"] = index
     res["expected_value"] = e[index].item() if e.dim() else e.item()
     res["actual_value"] = a[index].item() if a.dim() else a.item()
+    if not e.is_complex() and bool(nan_bits.reshape(-1)[flat]):  # "expected nan, got nan": the bits
+        width = 2 * e.element_size()
+        bits = [int(b.reshape(-1)[flat].item()) & ((1 << 4 * width) - 1) for b in (eb, ab)]
+        res["detail"] += f"; at {list(index)}: bits 0x{bits[0]:0{width}x} vs 0x{bits[1]:0{width}x}"
     return res
 
 
@@ -364,8 +370,8 @@ def compare_outputs(expected: Any, actual: Any, *, root: str = "out") -> list[Mi
     """Compare two (nested) outputs bitwise; return one :class:`Mismatch` per differing leaf.
 
     Tensors are equal when device, layout, dtype, shape and significant strides (those of
-    dimensions larger than 1) agree and every element has the same bit pattern, except that
-    positions where both are NaN count as equal. Python floats compare the same way; other scalars
+    dimensions larger than 1) agree and every element has the same bit pattern (two NaNs with
+    another sign or payload differ). Python floats compare the same way; other scalars
     and objects with ``==`` and an exact type match. Containers (the pytree ones: tuple, list,
     ``torch.Size``, named tuples, dicts, registered classes; and dataclass instances) are walked: a
     different container type is a ``Diff.TYPE`` mismatch, a different length or key set a
@@ -439,10 +445,11 @@ def _compare_numpy(path: str, e: Any, a: Any, out: list[Mismatch]) -> None:
 
 
 def _compare_floats(path: str, e: float, a: float, out: list[Mismatch]) -> None:
-    if value_key(e) == value_key(a) or (math.isnan(e) and math.isnan(a)):
+    if value_key(e) == value_key(a):
         return
     if math.isnan(e) or math.isnan(a):
-        out.append(Mismatch(path, (Diff.VALUE,), "NaN on one side only", max_abs=math.nan,
+        what = "NaNs with another sign or payload" if math.isnan(e) and math.isnan(a) else "NaN on one side only"
+        out.append(Mismatch(path, (Diff.VALUE,), what, max_abs=math.nan,
                             num_different=1, numel=1, expected_value=e, actual_value=a))
         return
     ulp = max_ulp_distance(torch.tensor([e], dtype=torch.float64), torch.tensor([a], dtype=torch.float64))
