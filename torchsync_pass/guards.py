@@ -700,6 +700,13 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
             never_silent(opts.strict, WARNED_FROZEN, FREEZING_WARNING)
         return _reject(state, result.reason, result.detail, compile_id)
 
+    from . import inop  # (inop imports this module)
+
+    syncing = [inop.syncing_op(n) for n in result.nodes if inop.syncing_op(n) is not None]
+    if syncing:
+        return _reject(state, Reason.SYNCING_OP_IN_CONE, f"{inop.op_name(syncing[0])} in the cone: a guard re-running "
+                       "it at a new request would make more syncs than stock", compile_id)
+
     # NOTE: the state keeps weak references only; holding the leaf tensors here would keep a
     # step-varying input alive and hide that it changes every step.
     leaves = tuple(result.leaf_examples)

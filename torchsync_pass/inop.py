@@ -138,7 +138,7 @@ def syncing_op(node: fx.Node) -> Optional[Callable]:
     return None
 
 
-def _op_name(op: Callable) -> str:
+def op_name(op: Callable) -> str:
     mod = getattr(op, "__module__", "") or ""
     name = op.__name__
     return f"torch.linalg.{name[len('linalg_'):]}" if name.startswith("linalg_") or "linalg" in mod else f"torch.{name}"
@@ -455,7 +455,7 @@ def _decision(node: fx.Node, op: Callable, action: Action, reason: Reason, detai
               leaves: tuple[str, ...], compile_id: Optional[str]) -> Decision:
     site, fn, src = cone.user_site(node)
     syncs, where = SYNCING_OPS[op]
-    what = f"{_op_name(op)}: {syncs} sync(s) per call on torch 2.13 CPU ({where})"
+    what = f"{op_name(op)}: {syncs} sync(s) per call on torch 2.13 CPU ({where})"
     return Decision(site=site, kind="in_op", action=action, reason=reason, code=fn, source=src,
                     detail=f"{what}; {detail}" if detail else what, leaves=leaves, compile_id=compile_id or "")
 

@@ -72,6 +72,7 @@ This module only builds new graphs; it never mutates the graph it is given.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -258,19 +259,30 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         kept.add(storage)
         cached.append(n)
         decisions.append(_decision(n, Action.CACHED, Reason.INVARIANT_TENSOR, nbytes, leaves, compile_id))
-    for d in decisions + skipped:
-        record_decision(d)
     if not cached:
+        for d in skipped:
+            record_decision(d)
         return InvariantSplit(False, gm.forward, decisions, skipped)
     inv_gm, leaf_index = _invariant_module(gm, cached)
     step_gm = _step_module(gm, cached, inv)
-    step: Callable[..., Any] = step_gm
-    if compile_step is not None:
-        step = compile_step(step_gm, _step_examples(inv_gm, leaf_index, cached, example_inputs))
     size = max(1, min(MEMO_SIZE, limit // max(total, 1)))
     placeholders = list(graph.find_nodes(op="placeholder"))
-    runner = InvariantRunner(inv_gm, step, leaf_index, size, cone.written_inputs(graph), gm,
+    runner = InvariantRunner(inv_gm, step_gm, leaf_index, size, cone.written_inputs(graph), gm,
                              names.to_ask(wheres.get(placeholders[i]) for i in leaf_index))
+    if compile_step is not None:
+        try:
+            examples = _step_examples(runner, cached, example_inputs)
+        except Exception as e:  # the user's error on the compiling call's inputs (a singular matrix)
+            # NOTE: not Inductor's failure: the graph is compiled whole, and the call raises it from
+            # the same op, as stock does; a later call with fixed inputs runs stock's graph
+            failed = f"; the invariant part raised on the compiling call ({type(e).__name__}: {e}): compiled whole"
+            for d in [dataclasses.replace(d, action=Action.NOT_CACHED, reason=Reason.EVAL_FAILED,
+                                          detail=d.detail + failed[:300]) for d in decisions] + skipped:
+                record_decision(d)
+            return InvariantSplit(False, gm.forward, [], skipped)
+        runner.set_step(compile_step(step_gm, examples))
+    for d in decisions + skipped:
+        record_decision(d)
     return InvariantSplit(True, runner.call, decisions, skipped, runner, step_gm)
 
 
@@ -284,24 +296,26 @@ def _symbolic(graph: fx.Graph) -> bool:
     return False
 
 
-def _step_examples(inv_gm: fx.GraphModule, leaf_index: tuple[int, ...], cached: list[fx.Node],
-                   example_inputs: Optional[Sequence[Any]]) -> list:
+def _step_examples(runner: "InvariantRunner", cached: list[fx.Node], example_inputs: Optional[Sequence[Any]]) -> list:
     """The step part's example inputs: the graph's own, then the invariant part's results on them.
 
     NOTE: real results, not the fake values of the trace: Inductor specialises on the strides of
     its example inputs (and asserts them at every call), and these are the very eager ops that
-    will produce the cached tensors at run time. Fake leaves (no real value to run on) fall back
-    to the trace's fake values.
+    will produce the cached tensors at run time. Computed by the runner (``miss``), so they are
+    memoised: the compiling call's own step finds them instead of computing them again (the
+    invariant part's syncs once, as stock). Fake leaves (no real value to run on) fall back to the
+    trace's fake values. Raises what the invariant part raises on these inputs.
     """
     if example_inputs is None:
         raise ValueError("cache_invariant: compile_step needs the graph's example_inputs")
-    leaves = [example_inputs[i] for i in leaf_index]
-    if any(_torch_private.is_fake(t) for t in leaves):
-        values = [cone._example(n) for n in cached]
+    args = tuple(example_inputs)
+    if any(_torch_private.is_fake(args[i]) for i in runner.leaf_index):
+        values: Any = [cone._example(n) for n in cached]
     else:
-        with torch.no_grad():
-            values = list(inv_gm(*leaves))
-    return list(example_inputs) + values
+        values = runner.miss(args)
+        if values is None:  # it raised, and the graph writes an input: the unsplit graph's path
+            raise RuntimeError("the invariant part raised")
+    return list(args) + [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
 
 
 def _invariant_module(gm: fx.GraphModule, cached: list[fx.Node]) -> tuple[fx.GraphModule, tuple[int, ...]]:
@@ -409,6 +423,12 @@ class InvariantRunner:
 
     def __call__(self, *args: Any) -> Any:
         return self.call(*args)
+
+    def set_step(self, step: Callable[..., Any]) -> None:
+        """Call ``step`` (the step part compiled) from now on."""
+        self.step = step
+        self.step_fn = _torch_private.graph_forward(step) if isinstance(step, fx.GraphModule) else step
+        self.call = _fast_call_fn(self, self.step_fn)
 
     def _leaf_died(self) -> None:
         """A leaf of a memo entry died: forget the last call if it was that entry's (its values)."""

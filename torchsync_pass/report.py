@@ -77,6 +77,10 @@ class Reason(enum.Enum):
     AUTOCAST = "traced under autocast: the value depends on the autocast state"
     UNSUPPORTED_VALUE = "the value has a dtype or shape the pass does not hoist"
     EVAL_FAILED = "evaluating the cone at trace time failed"
+    SYNCING_OP_IN_CONE = (
+        "the cone runs an op that syncs inside (a linalg error check): each evaluation of the cone (at "
+        "the trace, and by the guard at a new request) would cost its syncs again, on top of the step's"
+    )
     NOT_ROOT_TRACER = "the sync sits in a nested tracer (e.g. a torch.cond branch)"
     DISABLED = "the site was demoted earlier and is left to stock Dynamo"
     # TABULATED / REJECTED syncs inside ops (inop.py)
@@ -167,7 +171,7 @@ class DecisionLog:
     _items: deque = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _added: int = 0  # records ever added (never reset), for since()
-    _taps: list = field(default_factory=list)  # lists open through tap(): see there
+    _taps: list = field(default_factory=list)  # the Taps open through tap(): see there
 
     def add(self, d: Decision) -> None:
         with self._lock:
@@ -177,17 +181,18 @@ class DecisionLog:
                 t.append(d)
 
     @contextlib.contextmanager
-    def tap(self) -> Iterator[list[Decision]]:
-        """A list that receives every record added while the block runs, in order; ``clear()``
-        (``torchsync_pass.reset()`` inside the block) does not empty it (explain's record)."""
-        got: list[Decision] = []
+    def tap(self) -> Iterator["Tap"]:
+        """A :class:`Tap` that receives every record added while the block runs, in order (the
+        newest ``MAX_DECISIONS``); ``clear()`` (``torchsync_pass.reset()`` inside the block) does
+        not empty it (explain's record)."""
+        got = Tap(maxlen=MAX_DECISIONS)
         with self._lock:
             self._taps.append(got)
         try:
             yield got
         finally:
             with self._lock:
-                self._taps.remove(got)
+                _remove_by_identity(self._taps, got)
 
     def all(self) -> list[Decision]:
         with self._lock:
@@ -209,6 +214,16 @@ class DecisionLog:
             self._items.clear()
 
 
+class Tap(deque):
+    """What a tap received: the newest records (bounded, as the log is), and how many it got."""
+
+    added = 0
+
+    def append(self, x: Any) -> None:
+        super().append(x)
+        self.added += 1
+
+
 DECISIONS = DecisionLog()
 
 
@@ -220,7 +235,7 @@ def decisions() -> list[Decision]:
 # The backend's compile records (``backend.compiled_graphs()``) as explain sees them: the backend
 # hands each new record to the lists open here, which ``torchsync_pass.reset()`` does not empty
 # (kept in this module, which explain imports without loading the backend).
-_COMPILE_TAPS: list[list] = []
+_COMPILE_TAPS: list["Tap"] = []
 _COMPILE_TAPS_LOCK = threading.Lock()
 
 
@@ -231,17 +246,26 @@ def compiled(entry: dict) -> None:
             t.append(entry)
 
 
+MAX_COMPILE_RECORDS = 1024  # a tap keeps the newest (each holds its graph until torch._dynamo.reset())
+
+
 @contextlib.contextmanager
-def compile_tap() -> Iterator[list[dict]]:
-    """A list that receives every compile record the backend makes while the block runs."""
-    got: list[dict] = []
+def compile_tap() -> Iterator[Tap]:
+    """A :class:`Tap` that receives every compile record the backend makes while the block runs."""
+    got = Tap(maxlen=MAX_COMPILE_RECORDS)
     with _COMPILE_TAPS_LOCK:
         _COMPILE_TAPS.append(got)
     try:
         yield got
     finally:
         with _COMPILE_TAPS_LOCK:
-            _COMPILE_TAPS.remove(got)
+            _remove_by_identity(_COMPILE_TAPS, got)
+
+
+def _remove_by_identity(taps: list, tap: Tap) -> None:
+    # NOTE: not list.remove, which compares by ==: two open taps holding the same records (both
+    # empty) are equal, and closing the inner one of nested explain runs removed the outer one
+    del taps[next(i for i, t in enumerate(taps) if t is tap)]
 
 
 _guard_tls = threading.local()
