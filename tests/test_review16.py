@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import textwrap
+import warnings
 
+import pytest
 import torch
 
 import torchsync_pass
@@ -132,3 +134,174 @@ def test_recompile_limit_one_hoists_nothing():
     assert [sum(r) for r in ours] == [sum(r) for r in stock]
     assert {(d.action.name, d.reason.name) for d in torchsync_pass.decisions()} >= {("DEMOTED", "RECOMPILE_BUDGET")}
     assert not [d for d in torchsync_pass.decisions() if d.action.name == "HOISTED"]
+
+
+class _Solved(torch.nn.Module):
+    """A step whose invariant part syncs inside: ``linalg.solve``'s error check reads its info."""
+
+    def __init__(self, A):
+        super().__init__()
+        self.register_buffer("A", A)
+        self.register_buffer("b", torch.arange(1.0, 5.0))
+
+    def forward(self, x):
+        return x * torch.linalg.solve(self.A, self.b)
+
+
+def _good_A():
+    return torch.eye(4) * 2 + 0.1
+
+
+def _reads(fn, *args):
+    """``fn(*args)`` and its host reads, compile included (the profiler's own count:
+    count_syncs stops its profiler while Dynamo compiles, see README "Cost on a long run")."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn(*args)
+    return out, sum(e.count for e in prof.key_averages() if e.key == "aten::_local_scalar_dense")
+
+
+@pytest.mark.inductor
+def test_invariant_part_under_inductor_runs_once_on_the_compiling_call_and_its_error_is_the_users():
+    """Caching under Inductor ran the invariant part at compile time for the step's example inputs
+    and threw the values away: the compiling call ran it again (6 syncs against stock's 3). And an
+    error it raised there (a singular matrix) was taken for Inductor's failure: a "codegen failed"
+    warning, the FX graph served for good, and with ``strict`` a BackendCompilerFailed instead of
+    the user's LinAlgError."""
+    opts = {"invariant_cache_bytes": 1 << 20}
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        stock = torch.compile(_Solved(_good_A()), backend="inductor")
+        ref, n_stock = _reads(stock, x)
+        ours = torch.compile(_Solved(_good_A()), backend="nosync", options=opts)
+        out, n_ours = _reads(ours, x)
+        assert torch.equal(out, ref)
+        assert n_ours == n_stock == 3
+        assert [d.action.name for d in torchsync_pass.decisions() if d.kind == "tensor"] == ["CACHED"]
+
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+        m = _Solved(torch.zeros(4, 4))  # singular on the compiling call
+        ours = torch.compile(m, backend="nosync", options={**opts, "strict": True})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "codegen failed" warning
+            with pytest.raises(torch.linalg.LinAlgError):
+                ours(x)
+        (d,) = [d for d in torchsync_pass.decisions() if d.kind == "tensor"]
+        assert d.action.name == "NOT_CACHED" and d.reason.name == "EVAL_FAILED" and "LinAlgError" in d.detail
+        m.A.copy_(_good_A())  # the user fixes the matrix: stock Inductor's bits
+        assert torch.equal(ours(x), ref)
+
+
+def _solve_in_cone(x, A, b):
+    w = torch.linalg.solve(A, b)
+    y = x * w
+    if w.sum() > 0:
+        print("", end="")  # a branch with a side effect: not selected on the device
+        y = y + 1
+    return y
+
+
+def test_a_cone_with_an_op_that_syncs_inside_is_not_hoisted():
+    """The guard re-ran the whole cone at each new request, ``linalg.solve`` included (its own 3
+    reads), while the step ran the solve again: 7 reads a call against stock's 4 when the leaves
+    are new objects every call (the same values, so never demoted)."""
+    x, A0, b0 = torch.randn(3, 4), torch.eye(4) * 2 + 0.1, torch.arange(1.0, 5.0)
+    calls = [(x, A0.clone(), b0.clone()) for _ in range(5)]
+    stock, so = _syncs_per_call(_solve_in_cone, calls, "eager")
+    ours, no = _syncs_per_call(_solve_in_cone, calls, "nosync")
+    for a, b in zip(so, no):
+        assert torch.equal(a, b)
+    assert all(sum(o) <= sum(s) for o, s in zip(ours, stock)), (ours, stock)
+    ds = [d for d in torchsync_pass.decisions() if d.kind == "bool"]
+    assert not [d for d in ds if d.action.name == "HOISTED"], ds
+    assert [d for d in ds if d.reason.name == "SYNCING_OP_IN_CONE" and "torch.linalg.solve" in d.detail], ds
+
+
+def test_nested_taps_close_by_identity():
+    """Two open taps with equal contents (both empty) are ``==``: closing the inner one removed the
+    outer one (``list.remove``), so a nested explain run missed the outer script's later decisions
+    and then raised ``ValueError: list.remove(x): x not in list``."""
+    from torchsync_pass import report
+
+    log = report.DecisionLog()
+    with log.tap() as outer:
+        with log.tap() as inner:
+            pass
+        log.add("d")  # a stand-in record: the log does not look at it
+    assert list(outer) == ["d"] and list(inner) == [] and log._taps == []
+    with report.compile_tap() as outer:
+        with report.compile_tap():
+            pass
+        report.compiled({"graph": None})
+    assert outer.added == 1 and report._COMPILE_TAPS == []
+
+
+class _Sched:
+    def __init__(self):
+        self.sigmas = torch.linspace(1.0, 0.0, 9)
+        self.var = torch.ones(9)
+        self.i = 0
+        self.renorm = False
+
+
+def _lifted_then_written(s, x, y):
+    if s.sigmas[s.i] > 0.5:  # lifted over the step index
+        x = x * 2
+    else:
+        x = x + 1
+    if s.renorm:  # batch norm in training mode writes the table behind its version counter
+        y = torch.nn.functional.batch_norm(y, s.sigmas, s.var, training=True)
+    s.i += 1
+    return x, y
+
+
+def test_a_lifted_site_demoted_in_its_own_compile_passes_its_fresh_entry_check():
+    """A table check was built without its compile id, so once a write later in the same graph
+    demoted the site, Dynamo's check of the fresh entry failed: "Guard failed on the same frame it
+    was created" raised from the user's call."""
+    results = []
+    for backend in ("eager", "nosync"):
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+        s, y = _Sched(), torch.randn(4, 9, generator=torch.Generator().manual_seed(0))
+        opts = {"codegen": "eager"} if backend == "nosync" else None
+        g = torch.compile(_lifted_then_written, backend=backend, options=opts)
+        outs = []
+        for i in range(4):
+            s.renorm = i >= 1
+            outs.append(g(s, torch.ones(3), y))
+        results.append((outs, s.sigmas.clone()))
+    (so, ss), (no, ns) = results
+    assert torch.equal(ss, ns)
+    for a, b in zip(so, no):
+        for p, q in zip(a, b):
+            assert torch.equal(p, q)
+    assert ("DEMOTED", "HIDDEN_WRITER") in {(d.action.name, d.reason.name) for d in torchsync_pass.decisions()}
+
+
+def test_the_hook_self_test_runs_under_dynamos_default_config():
+    """The self-test runs once per process, at the first nosync compile: under the caller's
+    ``config.patch(assume_static_by_default=False)`` its probes traced ints as symbols, no hook
+    fired, and nosync turned itself off for the whole process (a fresh interpreter: the test
+    process ran its self-test long ago)."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent("""
+        import warnings, torch, torchsync_pass
+        def f(x, t):
+            if (t == 1).any():
+                return x * 2
+            return x
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with torch._dynamo.config.patch(assume_static_by_default=False):
+                torch.compile(f, backend="nosync", options={"codegen": "eager"})(torch.ones(2), torch.tensor([0, 1]))
+        assert not [x for x in w if "disabled" in str(x.message)], [str(x.message) for x in w]
+        torch._dynamo.reset(); torchsync_pass.reset()
+        torch.compile(f, backend="nosync", options={"codegen": "eager"})(torch.ones(2), torch.tensor([0, 1]))
+        assert [d.action.name for d in torchsync_pass.decisions()] == ["HOISTED"], torchsync_pass.decisions()
+        print("done")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-3000:]

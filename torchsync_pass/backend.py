@@ -223,7 +223,7 @@ def compiled_graphs() -> list[dict]:
     return list(_COMPILED)
 
 
-MAX_COMPILED = 1024
+MAX_COMPILED = report.MAX_COMPILE_RECORDS
 
 
 def _release_graphs(records: list[dict]) -> None:

@@ -831,15 +831,30 @@ def caching_precompile_on() -> bool:
     return bool(getattr(config, "caching_precompile", False))
 
 
-def _no_frame_cache() -> Any:
-    """A context in which Dynamo neither loads nor saves whole compiled frames."""
+def _probe_config() -> Any:
+    """Dynamo's own config as a fresh session has it, and no whole-frame cache, for the self-test:
+    it asks whether the hooks fire on this torch, which the caller's settings must not decide (a
+    ``config.patch(assume_static_by_default=False)`` around the first compile made the probes trace
+    their ints as symbols, and the pass turned itself off for the whole process). Every setting
+    whose value differs from its default is set back for the probes (entries that are aliases of
+    others, deprecated, or without a plain default are left alone)."""
     import contextlib
 
     from torch._dynamo import config
 
-    if not hasattr(config, "caching_precompile"):
-        return contextlib.nullcontext()
-    return config.patch(caching_precompile=False)
+    changes: dict[str, Any] = {}
+    for name, entry in (getattr(config, "_config", None) or {}).items():
+        default = getattr(entry, "default", None)
+        if getattr(entry, "alias", None) or getattr(entry, "deprecated", False) or type(default) is object:
+            continue
+        try:
+            if getattr(config, name) != default:
+                changes[name] = default
+        except Exception:  # a setting that cannot be read or compared: left as it is
+            continue
+    if hasattr(config, "caching_precompile"):
+        changes["caching_precompile"] = False  # traced here, never loaded from a saved cache
+    return config.patch(changes) if changes else contextlib.nullcontext()
 
 
 def in_aot_compile() -> bool:
@@ -2637,7 +2652,7 @@ def self_test(verbose: bool = False) -> dict[str, bool]:
             try:
                 backend = _SelfTestBackend()
                 _state.attr_seen = False
-                with _no_frame_cache():  # traced here, never loaded from a saved cache
+                with _probe_config():  # the default config; traced, never loaded from a saved cache
                     got = torch.compile(fn, backend=backend)(x)
                 fired = backend.identity_uses if fn.__name__ in ("f_is", "f_contains") else seen
                 if fn.__name__ == "f_row_attr":

@@ -588,7 +588,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _progress(counter: Any, interval: float, decisions: list) -> Any:
+def _progress(counter: Any, interval: float, decisions: Any) -> Any:
     """Prints ``torchsync-explain: 60 s, 412 host syncs so far, 7 nosync decisions`` on stderr
     every ``interval`` seconds while the script runs (a daemon thread that only reads counts)."""
     stop, t0 = threading.Event(), time.monotonic()
@@ -596,7 +596,7 @@ def _progress(counter: Any, interval: float, decisions: list) -> Any:
     def loop() -> None:
         while not stop.wait(interval):
             print(f"{PROG}: {time.monotonic() - t0:.0f} s, {counter.total} host syncs so far, "
-                  f"{len(decisions)} nosync decisions", file=sys.stderr, flush=True)
+                  f"{decisions.added} nosync decisions", file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=loop, name="torchsync-explain-progress", daemon=True)
     if interval > 0:
@@ -651,9 +651,9 @@ def main(argv: list[str] | None = None) -> int:
         if not verification:
             notes.append("--verify: the nosync backend compiled no graph in this run; nothing was verified")
     rep = build_report(
-        ns.script, list(ns.args), outcome, counter, funcs, decisions, notes, verification,
+        ns.script, list(ns.args), outcome, counter, funcs, list(decisions), notes, verification,
     )
-    rep["nosync_graphs"] = len(graphs)
+    rep["nosync_graphs"] = graphs.added
     hooks = sys.modules.get(f"{__package__}.dynamo_hooks")
     rep["nosync_disabled"] = hooks.disabled_reason() if hooks is not None else None
     if ns.json:

@@ -171,8 +171,8 @@ class TableCheck(SiteCheck):
     """The guard of one cache entry of a lifted site: the answer at the frame's index, no sync."""
 
     def __init__(self, state: SiteState, cone: TableConeState, spec: Spec, sources: list[str], bits: tuple,
-                 written: Optional[WrittenInputs] = None) -> None:
-        super().__init__(state, cone, spec, sources, bits, written)
+                 written: Optional[WrittenInputs] = None, compile_id: Optional[str] = None) -> None:
+        super().__init__(state, cone, spec, sources, bits, written, compile_id)
         self.getter = dynamo_hooks.leaf_getter(self.sources + [cone.index_source])
 
     def check_leaves(self, leaves: tuple) -> bool:
@@ -281,7 +281,8 @@ def lift(state: SiteState, site: dynamo_hooks.SyncSite, opts: Any, compile_id: O
         cone.specs[key] = spec
     cone.last_spec = spec
     mark_hoisted(dataclasses.replace(result, nodes=traced_nodes), owner=(site_key, fp))
-    check = TableCheck(state, cone, spec, [l.source for l in result.leaves], bits, _written_inputs_of(compile_id))
+    check = TableCheck(state, cone, spec, [l.source for l in result.leaves], bits, _written_inputs_of(compile_id),
+                       compile_id)
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r} at {name}")
     detail = (f"lifted over {name} in 0..{len(mirror.keys) - 1}: {len(distinct)} distinct answer(s)"
               + ("; speculated invariant" if result.speculative else ""))

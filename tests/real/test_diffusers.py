@@ -296,6 +296,12 @@ def test_readme_explain_output_is_what_the_command_prints():
     out = subprocess.run([sys.executable, *cmd.split()[1:]], cwd=root, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    got = [re.sub(r"\s+\(CPU-only.*", "", line) for line in re.findall(pattern, out.stdout, re.M)]
-    want = [re.sub(r"\s+\(CPU-only.*", "", line) for line in want]
+    # NOTE: the latents' checksum is not compared: Inductor's CPU kernels round differently on
+    # another CPU (the README's run was on an Intel Xeon; an AMD EPYC prints other sums), and the
+    # sums varied between runs on one machine too
+    def strip(line):
+        return re.sub(r",\s+latents sum .*", "", re.sub(r"\s+\(CPU-only.*", "", line))
+
+    got = [strip(line) for line in re.findall(pattern, out.stdout, re.M)]
+    want = [strip(line) for line in want]
     assert len(want) == 3 and got == want, (got, want)
