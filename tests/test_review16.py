@@ -305,3 +305,85 @@ def test_the_hook_self_test_runs_under_dynamos_default_config():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "done" in out.stdout, out.stderr[-3000:]
+
+
+# --- count_syncs (helper review of the counter): each fails on the commit before its fix -------
+
+_X16 = torch.arange(4.0)
+_A16, _B16 = torch.eye(3) * 2, torch.ones(3, 1)
+
+
+def _gen16(n):
+    for _ in range(n):
+        v = _X16.sum().item()  # SITE16 item
+        yield v
+        e = torch.equal(_X16, _X16)  # SITE16 equal
+        torch.linalg.solve(_A16, _B16)  # SITE16 solve
+        yield e
+
+
+def _line16(tag):
+    import inspect
+
+    src, start = inspect.getsourcelines(_gen16)
+    (n,) = [start + i for i, t in enumerate(src) if t.rstrip().endswith("# SITE16 " + tag)]
+    return n
+
+
+def test_profiler_only_syncs_in_a_generator_are_at_their_own_lines():
+    """The profiler names a resumed generator frame by its ``yield`` line, and the counter searched
+    for ``torch.equal(`` / ``linalg.solve(`` from there down: both landed on the ``yield``."""
+    with torchsync_pass.count_syncs() as c:
+        list(_gen16(3))
+    got = {k.line: v for k, v in c.by_site.items() if k.file == __file__}
+    assert got == {_line16("item"): 3, _line16("equal"): 3, _line16("solve"): 9}, got
+
+
+def test_two_masks_count_two_reads_and_a_raising_int_counts_its_read():
+    """``x[m1, m2]`` runs one nonzero per mask (2 reads) and counted 1; ``int()`` of a NaN reads
+    the value, then raises, and counted 0 (the wrapper recorded only after a return)."""
+    x = torch.arange(12.0).reshape(3, 4)
+    m1, m2 = torch.tensor([True, False, True]), torch.tensor([True, True, False, False])
+    with torchsync_pass.count_syncs() as c:
+        x[m1, m2]
+    assert c.total == 2, c.by_kind
+    with torchsync_pass.count_syncs() as c:
+        x[m1, m2] = 0.0
+    assert c.total == 2, c.by_kind
+    with torchsync_pass.count_syncs() as c:
+        with pytest.raises(ValueError):
+            int(torch.tensor(float("nan")))
+        with pytest.raises(OverflowError):
+            int(torch.tensor(float("inf")))
+    assert c.total == 2 and c.by_kind == {"int": 2}, c.by_kind
+
+
+def test_a_user_folder_named_torch_and_inductors_code_are_told_apart(tmp_path):
+    """Profiler-only syncs in ``mylib/torch/ops.py`` were put on the caller's line (any path with a
+    ``/torch/`` folder counted as torch's own), and one inside an Inductor-compiled function on
+    Inductor's generated file in its cache directory."""
+    import subprocess
+    import sys
+
+    lib = tmp_path / "mylib" / "torch"
+    lib.mkdir(parents=True)
+    (tmp_path / "mylib" / "__init__.py").write_text("")
+    (lib / "__init__.py").write_text("")
+    (lib / "ops.py").write_text("import torch\n\ndef same(a):\n    return torch.equal(a, a)\n")
+    code = textwrap.dedent("""
+        import torch, torchsync_pass
+        from mylib.torch.ops import same
+        a = torch.ones(3)
+        with torchsync_pass.count_syncs() as c:
+            same(a)
+        print(sorted((k.file.rsplit("/", 2)[-2:], k.line) for k in c.by_site))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[(['torch', 'ops.py'], 4)]", out.stdout
+    from torchsync_pass import counting
+
+    assert counting._in_inductor_cache("/tmp/torchinductor_root/l3/cl3sirabc.py")
+    assert not counting._py_user_event("/tmp/torchinductor_root/l3/cl3sirabc.py(74): call")
+    assert counting._py_user_event("/work/mylib/torch/ops.py(3): same") == ("/work/mylib/torch/ops.py", 3, "same")

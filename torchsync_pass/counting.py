@@ -505,9 +505,13 @@ def _moves_to_host(name: str, self: torch.Tensor, args: tuple, kwargs: dict, fra
     return False
 
 
-def _has_mask(idx: Any) -> bool:
-    return any(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES
+def _masks(idx: Any) -> int:
+    return sum(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES
                for i in (idx if type(idx) is tuple else (idx,)))
+
+
+def _has_mask(idx: Any) -> bool:
+    return _masks(idx) > 0
 
 
 def _classify(name: str, self: torch.Tensor, args: tuple, kwargs: dict, frame: Any) -> str | None:
@@ -567,9 +571,17 @@ def _make_wrapper(name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         _TLS.depth = 1
         try:
             marked = _SESSION.profiling  # a profiler range, so its aten events are not counted twice
-            with _torch_private.profiler_range("torchsync_pass::" + kind) if marked else contextlib.nullcontext():
-                out = orig(self, *args, **kwargs)
-            _record(kind, self, out, frame)
+            try:
+                with _torch_private.profiler_range("torchsync_pass::" + kind) if marked else contextlib.nullcontext():
+                    out = orig(self, *args, **kwargs)
+            except (ValueError, OverflowError):
+                # int() of a NaN or an infinity: the value was read, then the conversion raised
+                if kind == "int" and self.is_floating_point():
+                    _record(kind, self, None, frame)
+                raise
+            # x[m1, m2]: one nonzero (one read) per mask
+            for _ in range(_masks(args[0]) if kind in ("mask_index", "mask_assign") else 1):
+                _record(kind, self, out, frame)
         finally:
             _TLS.depth = 0
         return out
@@ -706,9 +718,25 @@ def _py_user_event(name: str) -> tuple[str, int, str] | None:
     if not m:
         return None
     efile = m.group(1)
-    if efile.startswith(("torch/", "torchsync_pass/", "<", _OWN_DIR, dynamo_hooks.TORCH_DIR)) or "/torch/" in efile:
+    # NOTE: torch's own files by torch's directory, not any path with a folder named torch (a
+    # user library's ``mylib/torch/ops.py``); and Inductor's generated code (its cache directory):
+    # a sync there belongs to the compiled function that called it
+    if efile.startswith(("torch/", "torchsync_pass/", "<", _OWN_DIR, dynamo_hooks.TORCH_DIR, _TORCH_REAL_DIR)) \
+            or _in_inductor_cache(efile):
         return None
     return efile, int(m.group(2)), m.group(3)
+
+
+_TORCH_REAL_DIR = os.path.realpath(dynamo_hooks.TORCH_DIR) + os.sep
+
+
+def _in_inductor_cache(efile: str) -> bool:
+    """Is ``efile`` code Inductor generated (its cache directory: ``TORCHINDUCTOR_CACHE_DIR`` or
+    the default ``<tmp>/torchinductor_<user>``)?"""
+    if "torchinductor_" in efile:
+        return True
+    custom = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return bool(custom) and os.path.abspath(efile).startswith(os.path.abspath(custom) + os.sep)
 
 
 _NAMESPACED = re.compile(r"^(linalg|fft|special|nn)_(\w+)$")
@@ -760,6 +788,32 @@ def _guess_line(
             if hits:  # several calls of the op in the function: the first, marked inexact
                 return SiteKey(path, hits[0]), len(hits) == 1
     return SiteKey(path, first), False
+
+
+def _def_line(efile: str, first: int, fname: str) -> int:
+    """The ``def`` line of the function the profiler saw at ``efile:first``.
+
+    The profiler's Python tracer names a frame by the line it was on when the tracer first saw it:
+    the ``def`` for a call made under the profiler, a later line for a frame that was already
+    running when the profiler (re)started (after a compile, at a chunk's rotation) and for a
+    generator resumed at its ``yield``; the op's call is searched from the ``def`` down.
+    """
+    short = fname.rsplit(".", 1)[-1]
+    if short.startswith("<") or dynamo_hooks.RESUME_RE.match(short):
+        return first
+    lines = linecache.getlines(_find_file(efile))
+    if not 0 < first <= len(lines):
+        return first
+    own = re.compile(rf"\s*(?:async\s+)?def\s+{re.escape(short)}\s*[(\[]")
+    text = lines[first - 1]
+    if own.match(text) or text.lstrip().startswith("@"):
+        return first
+    indent = len(text) - len(text.lstrip())
+    for j in range(first - 2, -1, -1):
+        above = lines[j]
+        if own.match(above) and len(above) - len(above.lstrip()) < indent:
+            return j + 1
+    return first
 
 
 def _find_file(efile: str) -> str:
@@ -908,6 +962,7 @@ def _attribute(stack: list[_Ev]) -> tuple[SiteKey, str, tuple | None, bool]:
             efile, first, fname = u
             if _is_import_machinery(efile) or efile.startswith("importlib/"):
                 return _IMPORT_SITE, "", None, False
+            first = _def_line(efile, first, fname)
             site, exact = _guess_line(efile, first, fname, op)
             return site, fname, (site.file, first, fname), exact
     return SiteKey("<unknown>", 0), "", None, False
