@@ -689,6 +689,9 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         return _reject(state, Reason.STATE_REGION, region, compile_id)
     result = analyze_cone(site.node, site.leaves, declared=opts.invariant,
                           in_root_tracer=site.in_root_tracer)
+    syncing = syncing_op_in_cone(state, result, compile_id)
+    if syncing is not None:
+        return syncing
     if result.reason is Reason.SYMBOLIC:  # a table read at a step counter?
         from . import tables
 
@@ -699,13 +702,6 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
         if result.reason is Reason.CONSTANT_LEAF and FREEZING_NOTE in result.detail:
             never_silent(opts.strict, WARNED_FROZEN, FREEZING_WARNING)
         return _reject(state, result.reason, result.detail, compile_id)
-
-    from . import inop  # (inop imports this module)
-
-    syncing = [inop.syncing_op(n) for n in result.nodes if inop.syncing_op(n) is not None]
-    if syncing:
-        return _reject(state, Reason.SYNCING_OP_IN_CONE, f"{inop.op_name(syncing[0])} in the cone: a guard re-running "
-                       "it at a new request would make more syncs than stock", compile_id)
 
     # NOTE: the state keeps weak references only; holding the leaf tensors here would keep a
     # step-varying input alive and hide that it changes every step.
@@ -755,6 +751,19 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
 
 
 _recompiles_seen: set = set()
+
+
+def syncing_op_in_cone(state: SiteState, result: ConeResult, compile_id: Optional[str]) -> Optional[tuple[bool, Any]]:
+    """The rejection of a cone that runs an op syncing inside (``inop.SYNCING_OPS``), else None:
+    hoisted or lifted, the cone is evaluated at the trace (lifted: at every index) and again by the
+    guard at a new request, each time paying the op's own syncs on top of the step's run of it."""
+    from . import inop  # (inop imports this module)
+
+    syncing = [inop.syncing_op(n) for n in result.nodes if inop.syncing_op(n) is not None]
+    if not syncing:
+        return None
+    return _reject(state, Reason.SYNCING_OP_IN_CONE, f"{inop.op_name(syncing[0])} in the cone: evaluating it to "
+                   "hoist or lift the value would make more syncs than stock", compile_id)
 
 
 def _count_recompile(site: dynamo_hooks.SyncSite, compile_id: Optional[str]) -> None:

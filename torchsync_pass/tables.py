@@ -61,6 +61,7 @@ from .guards import (
     SiteCheck,
     SiteState,
     Spec,
+    syncing_op_in_cone,
     WrittenInputs,
     _written_inputs_of,
     _new_value_demotion,
@@ -247,6 +248,9 @@ def lift(state: SiteState, site: dynamo_hooks.SyncSite, opts: Any, compile_id: O
                           in_root_tracer=site.in_root_tracer, index=index.node)
     if not result.ok:
         return _reject(state, result.reason, result.detail, compile_id)
+    syncing = syncing_op_in_cone(state, result, compile_id)
+    if syncing is not None:
+        return syncing
     if not result.leaves:
         return None  # a function of the int alone: nothing to mirror
     tables = tuple(result.leaf_examples)
