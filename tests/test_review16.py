@@ -422,3 +422,71 @@ def test_a_cone_with_an_op_that_syncs_inside_is_not_lifted_either():
     stock, ours = counts
     assert all(o <= s for o, s in zip(ours, stock)), (ours, stock)
     assert not [d for d in torchsync_pass.decisions() if d.reason.name == "TABLE_LIFTED"]
+
+
+def _pinv_cone(x, A):
+    if A.pinverse().sum() > 0:
+        print("", end="")
+        x = x + 1
+    return x
+
+
+def _inv_power_cone(x, A):
+    if torch.linalg.matrix_power(A, -1).sum() > 0:
+        print("", end="")
+        x = x + 1
+    return x
+
+
+@pytest.mark.parametrize("fn", [_pinv_cone, _inv_power_cone])
+def test_ops_that_sync_inside_beyond_the_tabulated_ones_keep_their_cone_unhoisted(fn):
+    """The rule covered only the tabulated linalg ops: ``A.pinverse()`` or a negative
+    ``matrix_power`` in a cone was hoisted, and new tensors every call cost more reads than stock."""
+    x, A0 = torch.ones(3), torch.eye(3) * 2 + 0.1
+    calls = [(x, A0.clone()) for _ in range(3)]
+    counts = []
+    for backend in ("eager", "nosync"):
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+        g = torch.compile(fn, backend=backend, options={"codegen": "eager"} if backend == "nosync" else None)
+        counts.append([_reads(g, *args)[1] for args in calls])
+    stock, ours = counts
+    assert all(o <= s for o, s in zip(ours, stock)), (ours, stock)
+    assert [d for d in torchsync_pass.decisions() if d.reason.name == "SYNCING_OP_IN_CONE"]
+
+
+def _decorated16(f):
+    return f
+
+
+@_decorated16
+def _multi_line16(
+    a,
+    b,
+):
+    x = a.sum()
+    return torch.equal(a, b), x  # SITE16b equal
+
+
+def test_profiler_only_syncs_in_decorated_functions_with_long_signatures_are_at_their_lines():
+    """The search for the op's call stopped at a decorated function's ``def`` line, or at a
+    multi-line signature's closing line, and put the sync on the function's first line."""
+    import inspect
+
+    src, start = inspect.getsourcelines(_multi_line16)
+    (line,) = [start + i for i, t in enumerate(src) if t.rstrip().endswith("# SITE16b equal")]
+    a = torch.ones(3)
+    with torchsync_pass.count_syncs() as c:
+        _multi_line16(a, a)
+    got = {k.line: v for k, v in c.by_site.items() if k.file == __file__}
+    assert got == {line: 1}, (got, line)
+    assert c.sites[next(k for k in c.by_site if k.line == line)].line_exact
+
+
+def test_a_list_of_masks_counts_a_read_per_mask():
+    x = torch.arange(12.0).reshape(3, 4)
+    m1, m2 = torch.tensor([True, False, True]), torch.tensor([True, True, False, False])
+    with torchsync_pass.count_syncs() as c:
+        x[[m1, m2]]
+        torch.arange(3.0)[[True, False, True]]
+    assert c.total == 3, c.by_kind

@@ -506,6 +506,13 @@ def _moves_to_host(name: str, self: torch.Tensor, args: tuple, kwargs: dict, fra
 
 
 def _masks(idx: Any) -> int:
+    """How many boolean masks index with ``idx`` (each is one nonzero: one read)."""
+    if type(idx) is list:
+        if idx and all(type(i) is bool for i in idx):
+            return 1  # a list of bools is a mask
+        if not any(isinstance(i, torch.Tensor) for i in idx):
+            return 0
+        idx = tuple(idx)  # torch indexes with a list holding tensors as with a tuple
     return sum(isinstance(i, torch.Tensor) and i.dtype in _MASK_DTYPES
                for i in (idx if type(idx) is tuple else (idx,)))
 
@@ -762,6 +769,13 @@ def _guess_line(
             spelled = f"(?:{spelled}|{ns.group(1)}\\.{ns.group(2)})"
         pat = re.compile(prefix + spelled + r"\s*\(")
         lines = linecache.getlines(path)
+        span = _function_span(path, first, fname)
+        if span is not None:  # the body, whatever its signature's layout
+            _, body, end = span
+            hits = [i for i in range(body, min(end, len(lines)) + 1) if pat.search(lines[i - 1])]
+            if hits:  # several calls of the op in the function: the first, marked inexact
+                return SiteKey(path, hits[0]), len(hits) == 1
+            return SiteKey(path, first), False
         if 0 < first <= len(lines):
             head = lines[first - 1]
             indent = len(head) - len(head.lstrip())
@@ -794,26 +808,45 @@ def _def_line(efile: str, first: int, fname: str) -> int:
     """The ``def`` line of the function the profiler saw at ``efile:first``.
 
     The profiler's Python tracer names a frame by the line it was on when the tracer first saw it:
-    the ``def`` for a call made under the profiler, a later line for a frame that was already
-    running when the profiler (re)started (after a compile, at a chunk's rotation) and for a
-    generator resumed at its ``yield``; the op's call is searched from the ``def`` down.
+    the ``def`` (or its first decorator) for a call made under the profiler, a later line for a
+    frame that was already running when the profiler (re)started (after a compile, at a chunk's
+    rotation) and for a generator resumed at its ``yield``; the op's call is searched in the
+    function's body (:func:`_function_span`).
     """
+    span = _function_span(_find_file(efile), first, fname)
+    return span[0] if span is not None else first
+
+
+def _function_span(path: str, line: int, fname: str) -> tuple[int, int, int] | None:
+    """``(def line, first body line, last line)`` of the innermost function named like ``fname``
+    whose text (decorators and signature included) holds ``line``; None for module code, a
+    resume function or a file that does not parse."""
     short = fname.rsplit(".", 1)[-1]
     if short.startswith("<") or dynamo_hooks.RESUME_RE.match(short):
-        return first
-    lines = linecache.getlines(_find_file(efile))
-    if not 0 < first <= len(lines):
-        return first
-    own = re.compile(rf"\s*(?:async\s+)?def\s+{re.escape(short)}\s*[(\[]")
-    text = lines[first - 1]
-    if own.match(text) or text.lstrip().startswith("@"):
-        return first
-    indent = len(text) - len(text.lstrip())
-    for j in range(first - 2, -1, -1):
-        above = lines[j]
-        if own.match(above) and len(above) - len(above.lstrip()) < indent:
-            return j + 1
-    return first
+        return None
+    best = None
+    for start, def_line, body, end, name in _functions(path, len(linecache.getlines(path))):
+        if name == short and start <= line <= end and (best is None or start >= best[0]):
+            best = (start, def_line, body, end)
+    return best[1:] if best is not None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _functions(path: str, n_lines: int) -> tuple[tuple[int, int, int, int, str], ...]:
+    """Every function of ``path`` as ``(first decorator or def line, def line, first body line,
+    last line, name)`` (cached per file and length: linecache's text is the one parsed)."""
+    import ast
+
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return ()
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            out.append((start, node.lineno, node.body[0].lineno, node.end_lineno or node.lineno, node.name))
+    return tuple(out)
 
 
 def _find_file(efile: str) -> str:

@@ -759,10 +759,10 @@ def syncing_op_in_cone(state: SiteState, result: ConeResult, compile_id: Optiona
     guard at a new request, each time paying the op's own syncs on top of the step's run of it."""
     from . import inop  # (inop imports this module)
 
-    syncing = [inop.syncing_op(n) for n in result.nodes if inop.syncing_op(n) is not None]
+    syncing = [name for name in map(inop.syncs_inside, result.nodes) if name is not None]
     if not syncing:
         return None
-    return _reject(state, Reason.SYNCING_OP_IN_CONE, f"{inop.op_name(syncing[0])} in the cone: evaluating it to "
+    return _reject(state, Reason.SYNCING_OP_IN_CONE, f"{syncing[0]} in the cone: evaluating it to "
                    "hoist or lift the value would make more syncs than stock", compile_id)
 
 
