@@ -490,3 +490,33 @@ def test_a_list_of_masks_counts_a_read_per_mask():
         x[[m1, m2]]
         torch.arange(3.0)[[True, False, True]]
     assert c.total == 3, c.by_kind
+
+
+def test_one_guard_per_list_table_and_graph(monkeypatch):
+    """Every read of one list table installed its own per-call check of all the list's tensors (no
+    .grad, no Python attributes): 8 reads of a 64-row list checked 512 tensors a call, and nosync
+    ran the tiny prefill at 3.3x the hand-vectorized step."""
+    from torchsync_pass import dynamo_hooks
+
+    seen = []
+    real = dynamo_hooks.add_lambda_guard
+
+    def counting(site, check, description):
+        seen.append(description)
+        return real(site, check, description)
+
+    monkeypatch.setattr(dynamo_hooks, "add_lambda_guard", counting)
+    table = [torch.randn(4) for _ in range(8)]
+
+    def step(tokens):
+        out = torch.zeros(4)
+        for i in range(4):
+            out = out + table[tokens[i].item()]
+        return out
+
+    g = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+    for toks in ([1, 2, 3, 4], [7, 0, 7, 1]):
+        t = torch.tensor(toks)
+        assert torch.equal(g(t), step(t))
+    assert sum("tensors of a list read on the device" in d for d in seen) == 1, seen
+    assert "INDEX_LIST" in [d.reason.name for d in torchsync_pass.decisions()]

@@ -1964,7 +1964,15 @@ def _guard_list_items(site: SyncSite, items: list) -> None:
 
 
 def _guard_none_differs(site: SyncSite, names: list, differs: Callable[[Any], bool], what: str) -> None:
-    """Guard the frame with "``differs`` is False for each of the tensors ``names``", every call."""
+    """Guard the frame with "``differs`` is False for each of the tensors ``names``", every call.
+
+    Once per graph for a set of tensors: every read of one list table asks the same of its tensors
+    (8 reads of a 64-row list guarded 512 tensors per call, 3.3x the hand-vectorized step)."""
+    asked = site._tx.output.__dict__.setdefault("_nosync_none_differs", set())
+    key = (differs, tuple(sorted(set(names))))
+    if key in asked:
+        return
+    asked.add(key)
     get = leaf_getter(names)
 
     def check(L: Any, G: Any) -> bool:
