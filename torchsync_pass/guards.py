@@ -996,6 +996,13 @@ class SiteCheck:
             if spec.hits or not compiling():  # demotion asks "hit at call time yet?"
                 spec.hits += 1
             return True
+        if compiling() and dynamo_hooks.current_compile_id() == self.compile_id:
+            # Dynamo's check of the entry it just compiled, on the trace's own inputs: another
+            # thread wrote a leaf since the trace read it. This call runs with the value the trace
+            # read (as if the write came after the read, which the threads did not order); the memo
+            # now holds the new value, so the next call fails this entry (failing here raised
+            # "Guard failed on the same frame it was created" from the user's call).
+            return True
         if state.demoted is not None:  # Dynamo re-checking why the call failed (while compiling)
             return self._fail_demoted()
         return self._fail(f"a hoisted value changed: {spec.value!r} -> {e.value!r}")
