@@ -750,12 +750,14 @@ _NAMESPACED = re.compile(r"^(linalg|fft|special|nn)_(\w+)$")
 
 
 def _guess_line(
-    efile: str, first: int, fname: str, op: tuple[str, bool] | None
+    efile: str, first: int, fname: str, op: tuple[str, bool] | None,
+    span: tuple[int, int, int] | None = None,
 ) -> tuple[SiteKey, bool]:
     """The line of ``op(`` in the function that starts at ``efile:first`` (exact when only one).
 
     The profiler's Python tracer knows the function, not the line; for syncs only the profiler
-    sees (``torch.equal(a, b)``), look for the call in the function's source.
+    sees (``torch.equal(a, b)``), look for the call in the function's source: its body, when
+    ``span`` (:func:`_function_span`) is known, else the lines below ``first`` indented deeper.
     """
     import linecache
 
@@ -769,7 +771,6 @@ def _guess_line(
             spelled = f"(?:{spelled}|{ns.group(1)}\\.{ns.group(2)})"
         pat = re.compile(prefix + spelled + r"\s*\(")
         lines = linecache.getlines(path)
-        span = _function_span(path, first, fname)
         if span is not None:  # the body, whatever its signature's layout
             _, body, end = span
             hits = [i for i in range(body, min(end, len(lines)) + 1) if pat.search(lines[i - 1])]
@@ -804,23 +805,17 @@ def _guess_line(
     return SiteKey(path, first), False
 
 
-def _def_line(efile: str, first: int, fname: str) -> int:
-    """The ``def`` line of the function the profiler saw at ``efile:first``.
+def _function_span(path: str, line: int, fname: str) -> tuple[int, int, int] | None:
+    """``(def line, first body line, last line)`` of the innermost function named like ``fname``
+    whose text (decorators and signature included) holds ``line``; None for module code, a
+    resume function or a file that does not parse.
 
     The profiler's Python tracer names a frame by the line it was on when the tracer first saw it:
     the ``def`` (or its first decorator) for a call made under the profiler, a later line for a
     frame that was already running when the profiler (re)started (after a compile, at a chunk's
     rotation) and for a generator resumed at its ``yield``; the op's call is searched in the
-    function's body (:func:`_function_span`).
+    function's body found here.
     """
-    span = _function_span(_find_file(efile), first, fname)
-    return span[0] if span is not None else first
-
-
-def _function_span(path: str, line: int, fname: str) -> tuple[int, int, int] | None:
-    """``(def line, first body line, last line)`` of the innermost function named like ``fname``
-    whose text (decorators and signature included) holds ``line``; None for module code, a
-    resume function or a file that does not parse."""
     short = fname.rsplit(".", 1)[-1]
     if short.startswith("<") or dynamo_hooks.RESUME_RE.match(short):
         return None
@@ -995,8 +990,10 @@ def _attribute(stack: list[_Ev]) -> tuple[SiteKey, str, tuple | None, bool]:
             efile, first, fname = u
             if _is_import_machinery(efile) or efile.startswith("importlib/"):
                 return _IMPORT_SITE, "", None, False
-            first = _def_line(efile, first, fname)
-            site, exact = _guess_line(efile, first, fname, op)
+            span = _function_span(_find_file(efile), first, fname)
+            if span is not None:
+                first = span[0]  # the def line: the function, whichever line the profiler saw
+            site, exact = _guess_line(efile, first, fname, op, span)
             return site, fname, (site.file, first, fname), exact
     return SiteKey("<unknown>", 0), "", None, False
 

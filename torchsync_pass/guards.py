@@ -963,8 +963,7 @@ class SiteCheck:
         # fresh entry (on the trace's inputs, whose value is right) must pass: a site can be
         # demoted once the whole graph is known (demote_hidden_writes). An older entry checked
         # while Dynamo compiles (to log why it recompiles) fails at once, without a sync.
-        if state.demoted is not None and (
-                not compiling() or dynamo_hooks.current_compile_id() != self.compile_id):
+        if state.demoted is not None and not self._own_compile():
             return self._fail_demoted()
         c = counters()
         try:
@@ -996,7 +995,7 @@ class SiteCheck:
             if spec.hits or not compiling():  # demotion asks "hit at call time yet?"
                 spec.hits += 1
             return True
-        if compiling() and dynamo_hooks.current_compile_id() == self.compile_id:
+        if self._own_compile():
             # Dynamo's check of the entry it just compiled, on the trace's own inputs: another
             # thread wrote a leaf since the trace read it. This call runs with the value the trace
             # read (as if the write came after the read, which the threads did not order); the memo
@@ -1006,6 +1005,11 @@ class SiteCheck:
         if state.demoted is not None:  # Dynamo re-checking why the call failed (while compiling)
             return self._fail_demoted()
         return self._fail(f"a hoisted value changed: {spec.value!r} -> {e.value!r}")
+
+    def _own_compile(self) -> bool:
+        """Is this Dynamo checking the entry it just compiled, at the end of this check's own
+        compile (not an older entry, asked why a call recompiles, nor a call)?"""
+        return dynamo_hooks.compiling() and dynamo_hooks.current_compile_id() == self.compile_id
 
     # Why the last failed check failed, for Dynamo's recompile reason (failure paths only).
     failure: Optional[tuple[int, str]] = None

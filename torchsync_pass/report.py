@@ -171,28 +171,19 @@ class DecisionLog:
     _items: deque = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _added: int = 0  # records ever added (never reset), for since()
-    _taps: list = field(default_factory=list)  # the Taps open through tap(): see there
+    _taps: "Taps" = field(default_factory=lambda: Taps())  # open through tap(): see there
 
     def add(self, d: Decision) -> None:
         with self._lock:
             self._items.append(d)
             self._added += 1
-            for t in self._taps:
-                t.append(d)
+            self._taps.send(d)
 
-    @contextlib.contextmanager
-    def tap(self) -> Iterator["Tap"]:
+    def tap(self) -> Any:
         """A :class:`Tap` that receives every record added while the block runs, in order (the
         newest ``MAX_DECISIONS``); ``clear()`` (``torchsync_pass.reset()`` inside the block) does
         not empty it (explain's record)."""
-        got = Tap(maxlen=MAX_DECISIONS)
-        with self._lock:
-            self._taps.append(got)
-        try:
-            yield got
-        finally:
-            with self._lock:
-                _remove_by_identity(self._taps, got)
+        return self._taps.open(MAX_DECISIONS)
 
     def all(self) -> list[Decision]:
         with self._lock:
@@ -224,6 +215,34 @@ class Tap(deque):
         self.added += 1
 
 
+class Taps(list):
+    """The taps open on one stream of records (a list of them, thread-safe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def send(self, x: Any) -> None:
+        """Hand ``x`` to every open tap."""
+        with self._lock:
+            for t in self:
+                t.append(x)
+
+    @contextlib.contextmanager
+    def open(self, maxlen: int) -> Iterator[Tap]:
+        got = Tap(maxlen=maxlen)
+        with self._lock:
+            self.append(got)
+        try:
+            yield got
+        finally:
+            with self._lock:
+                # NOTE: by identity, not list.remove's ==: two open taps holding the same records
+                # (both empty) are equal, and closing the inner one of nested explain runs removed
+                # the outer one
+                del self[next(i for i, t in enumerate(self) if t is got)]
+
+
 DECISIONS = DecisionLog()
 
 
@@ -235,37 +254,18 @@ def decisions() -> list[Decision]:
 # The backend's compile records (``backend.compiled_graphs()``) as explain sees them: the backend
 # hands each new record to the lists open here, which ``torchsync_pass.reset()`` does not empty
 # (kept in this module, which explain imports without loading the backend).
-_COMPILE_TAPS: list["Tap"] = []
-_COMPILE_TAPS_LOCK = threading.Lock()
+_COMPILE_TAPS = Taps()
+MAX_COMPILE_RECORDS = 1024  # a tap keeps the newest (each holds its graph until torch._dynamo.reset())
 
 
 def compiled(entry: dict) -> None:
     """Called by the backend for each graph it compiled."""
-    with _COMPILE_TAPS_LOCK:
-        for t in _COMPILE_TAPS:
-            t.append(entry)
+    _COMPILE_TAPS.send(entry)
 
 
-MAX_COMPILE_RECORDS = 1024  # a tap keeps the newest (each holds its graph until torch._dynamo.reset())
-
-
-@contextlib.contextmanager
-def compile_tap() -> Iterator[Tap]:
+def compile_tap() -> Any:
     """A :class:`Tap` that receives every compile record the backend makes while the block runs."""
-    got = Tap(maxlen=MAX_COMPILE_RECORDS)
-    with _COMPILE_TAPS_LOCK:
-        _COMPILE_TAPS.append(got)
-    try:
-        yield got
-    finally:
-        with _COMPILE_TAPS_LOCK:
-            _remove_by_identity(_COMPILE_TAPS, got)
-
-
-def _remove_by_identity(taps: list, tap: Tap) -> None:
-    # NOTE: not list.remove, which compares by ==: two open taps holding the same records (both
-    # empty) are equal, and closing the inner one of nested explain runs removed the outer one
-    del taps[next(i for i, t in enumerate(taps) if t is tap)]
+    return _COMPILE_TAPS.open(MAX_COMPILE_RECORDS)
 
 
 _guard_tls = threading.local()
