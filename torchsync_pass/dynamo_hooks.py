@@ -769,10 +769,33 @@ def guard_env() -> dict:
     return dict(_get_closure_vars())
 
 
+_ITEM_SOURCE = re.compile(r"^(.+)\[(\d+)\]$")
+
+
 def leaf_getter(sources: list[str]) -> Callable[[Any, Any], tuple]:
-    """Compile ``lambda L, G: (src1, src2, ...)`` for guard-time leaf lookup."""
-    body = ", ".join(sources) + ("," if sources else "")
-    return eval(f"lambda L, G: ({body})", guard_env())  # noqa: S307 - sources are Dynamo guard expressions
+    """Compile ``lambda L, G: (src1, src2, ...)`` for guard-time leaf lookup.
+
+    Items of one container (``L['self'].table[0]``, ``L['self'].table[1]``, ...: a list table's
+    rows, read at every call) look the container up once: 512 rows, 39 -> 19 us a call."""
+    counts: dict[str, int] = {}
+    for s in sources:
+        m = _ITEM_SOURCE.match(s)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    shared = {prefix: f"_c{i}" for i, prefix in enumerate(p for p, n in counts.items() if n > 1)}
+    if not shared:
+        body = ", ".join(sources) + ("," if sources else "")
+        return eval(f"lambda L, G: ({body})", guard_env())  # noqa: S307 - sources are Dynamo guard expressions
+    items = []
+    for s in sources:
+        m = _ITEM_SOURCE.match(s)
+        items.append(f"{shared[m.group(1)]}[{m.group(2)}]" if m and m.group(1) in shared else s)
+    lines = ["def get(L, G):"]
+    lines += [f"    {name} = {prefix}" for prefix, name in shared.items()]
+    lines.append(f"    return ({', '.join(items)},)")
+    env = dict(guard_env())
+    exec("\n".join(lines), env)  # noqa: S102 - sources are Dynamo guard expressions
+    return env["get"]
 
 
 def unsupported(site: SyncSite, message: str) -> None:
@@ -1935,6 +1958,28 @@ def _python_differs(real: Any) -> bool:
             or any(not k.startswith("_dynamo") for k in getattr(real, "__dict__", None) or ()))
 
 
+_GRAD = operator.attrgetter("grad")
+_DICT = operator.attrgetter("__dict__")
+_PLAIN = frozenset((torch.Tensor,))
+_NO_GRAD = frozenset((None,))
+
+
+def _none_python_differs(ts: tuple) -> bool:
+    """``not any(_python_differs(t) for t in ts)``, with C loops for the common case (plain tensors
+    without .grad or attributes): a list table's rows are checked at every call (512 rows: about
+    600 -> 160 us a call on this project's CPU)."""
+    try:
+        if set(map(type, ts)) <= _PLAIN and set(map(_GRAD, ts)) <= _NO_GRAD and not any(map(len, map(_DICT, ts))):
+            return True
+    except Exception:  # an odd .grad (unhashable): the exact check below decides
+        pass
+    return not any(_python_differs(t) for t in ts)
+
+
+def _none_meta_differs(ts: tuple) -> bool:
+    return not any(_meta_differs(t) for t in ts)
+
+
 def _torch_private_is_fake(t: Any) -> bool:
     from ._torch_private import is_fake
 
@@ -1958,18 +2003,18 @@ def _guard_list_items(site: SyncSite, items: list) -> None:
     step computes has neither, but an attribute the step sets: see attribute_written_selects)."""
     names = [n for n in (_source_name(getattr(v, "source", None)) for v in items) if n is not None]
     if names:
-        _guard_none_differs(site, names, _python_differs, "the tensors of a list read on the device are plain "
+        _guard_none_differs(site, names, _none_python_differs, "the tensors of a list read on the device are plain "
                             f"tensors without .grad or Python attributes ({', '.join(names[:3])}"
                             f"{', ...' if len(names) > 3 else ''})")
 
 
-def _guard_none_differs(site: SyncSite, names: list, differs: Callable[[Any], bool], what: str) -> None:
-    """Guard the frame with "``differs`` is False for each of the tensors ``names``", every call.
+def _guard_none_differs(site: SyncSite, names: list, none_differ: Callable[[tuple], bool], what: str) -> None:
+    """Guard the frame with "``none_differ`` of the tensors ``names`` is True", every call.
 
     Once per graph for a set of tensors: every read of one list table asks the same of its tensors
     (8 reads of a 64-row list guarded 512 tensors per call, 3.3x the hand-vectorized step)."""
     asked = site._tx.output.__dict__.setdefault("_nosync_none_differs", set())
-    key = (differs, tuple(sorted(set(names))))
+    key = (none_differ, tuple(sorted(set(names))))
     if key in asked:
         return
     asked.add(key)
@@ -1977,7 +2022,7 @@ def _guard_none_differs(site: SyncSite, names: list, differs: Callable[[Any], bo
 
     def check(L: Any, G: Any) -> bool:
         try:
-            return not any(differs(t) for t in get(L, G))
+            return none_differ(get(L, G))
         except Exception:
             return False
 
@@ -1996,7 +2041,7 @@ def _guard_input_arms(site: SyncSite, arms: list) -> None:
     names = [_source_name(getattr(v, "source", None)) for v in arms]
     if any(n is None for n in names):
         raise BranchRefused("BRANCH_VALUES", "an input arm has no source to guard")
-    _guard_none_differs(site, names, _meta_differs, "the input arms of a select carry nothing a copy lacks "
+    _guard_none_differs(site, names, _none_meta_differs, "the input arms of a select carry nothing a copy lacks "
                         f"({', '.join(names)}: no Python attributes, grad or shared storage)")
 
 
