@@ -88,3 +88,118 @@ def test_a_list_table_row_that_gains_a_grad_or_attribute_later_is_still_seen():
     idx = torch.tensor([4, 0])
     assert torch.equal(f(tab, idx), _lookup(tab, idx))
     assert torch.equal(f(tab, idx), torch.stack([tab[4], tab[0]]) * 7)
+
+
+class _PreservedWrite(torch.nn.Module):
+    """Writes its buffer under ``_unsafe_preserve_version_counter`` after a sync on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.tensor([0.1, 0.2, 0.9, 0.3]))
+
+    def forward(self, x):
+        c = self.b.exp().cumsum(0)
+        out = x * c if (self.b > 0.5).any() else x - c
+        with torch.autograd._unsafe_preserve_version_counter(self.b):
+            self.b.sub_(0.25)
+        return out
+
+
+class _FakeQuant(torch.nn.Module):
+    """A sync on the scale that ``fused_moving_avg_obs_fake_quant`` (QAT) updates in place without
+    bumping its version."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor([1.0]))
+        self.register_buffer("zp", torch.tensor([0], dtype=torch.int32))
+        self.register_buffer("rmin", torch.tensor(float("inf")))
+        self.register_buffer("rmax", torch.tensor(float("-inf")))
+        self.register_buffer("on", torch.tensor([1], dtype=torch.long))
+
+    def forward(self, x):
+        s = self.scale * 2.0
+        y = x + s if (self.scale > 0.01).any() else x - s
+        return torch.fused_moving_avg_obs_fake_quant(y, self.on, self.on, self.rmin, self.rmax, self.scale,
+                                                     self.zp, 0.01, 0, 255, -1)
+
+
+@pytest.mark.parametrize("cache", [0, 64 << 20], ids=["nocache", "cache"])
+@pytest.mark.parametrize("make,inputs", [
+    (_PreservedWrite, lambda i: torch.full((4,), 1.0 + i)),
+    (_FakeQuant, lambda i: torch.linspace(-1, 1, 16) * (0.2 if i < 2 else 10.0)),
+], ids=["preserve_version_counter", "fake_quant"])
+def test_a_graph_write_that_leaves_the_version_as_it_was_is_seen(make, inputs, cache):
+    """Writes in the graph that do not move the version counter (a write under
+    ``_unsafe_preserve_version_counter``, which Dynamo traces as the write and
+    ``prims._unsafe_set_version_counter``; QAT's fused fake quant): the site reading the written
+    tensor is not served its value from before the write (it was: all elements differed)."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    me, mc = make(), make()
+    cm = torch.compile(mc, backend="nosync", options={"codegen": "eager", "invariant_cache_bytes": cache})
+    with torch.no_grad():
+        for i in range(6):
+            x = inputs(i)
+            e, r = me(x), cm(x)
+            assert torch.equal(r, e), f"call {i}"
+            assert all(torch.equal(a, b) for a, b in zip(mc.buffers(), me.buffers()))
+    assert any(d.reason.name == "HIDDEN_WRITER" for d in torchsync_pass.decisions())
+
+
+@pytest.mark.parametrize("op", ["_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_",
+                                "_amp_foreach_non_finite_check_and_unscale_", "fused_moving_avg_obs_fake_quant"])
+def test_the_ops_listed_as_hidden_writers_do_leave_versions_as_they_were(op):
+    """What the hidden-writer list says of these ops holds on this torch: they write an argument
+    without moving its version counter (when a release starts bumping it, the entry is harmless;
+    this test says so)."""
+    from torchsync_pass import cone
+
+    g = torch.ones(4)
+    if op in ("_fused_adam_", "_fused_adamw_"):
+        p, a, b = torch.ones(4), torch.zeros(4), torch.zeros(4)
+        written = [p, a, b]
+        run = lambda: getattr(torch, op)([p], [g], [a], [b], [], [torch.tensor(1.0)], lr=0.1, beta1=0.9,  # noqa: E731
+                                         beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+    elif op == "_fused_sgd_":
+        p, m = torch.ones(4), torch.ones(4)
+        written = [p]
+        run = lambda: torch._fused_sgd_([p], [g], [m], weight_decay=0.0, momentum=0.9, lr=0.1,  # noqa: E731
+                                        dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
+    elif op == "_fused_adagrad_":
+        p, s = torch.ones(4), torch.zeros(4)
+        written = [p, s]
+        run = lambda: torch._fused_adagrad_([p], [g], [s], [torch.tensor(1.0)], lr=0.1, lr_decay=0.0,  # noqa: E731
+                                            weight_decay=0.0, eps=1e-10, maximize=False)
+    elif op == "_amp_foreach_non_finite_check_and_unscale_":
+        gr = torch.ones(4)
+        written = [gr]
+        run = lambda: torch._amp_foreach_non_finite_check_and_unscale_([gr], torch.zeros(1), torch.tensor([0.5]))  # noqa: E731
+    else:
+        rmin, rmax, sc = torch.tensor(0.0), torch.tensor(0.1), torch.tensor([1.0])
+        zp, on = torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.long)
+        written = [rmin, rmax, sc]
+        run = lambda: torch.fused_moving_avg_obs_fake_quant(torch.randn(16), on, on, rmin, rmax, sc, zp,  # noqa: E731
+                                                            0.01, 0, 255, 0)
+    before = [(t.clone(), t._version) for t in written]
+    run()
+    assert all(not torch.equal(t, b) and t._version == v for t, (b, v) in zip(written, before))
+    assert op in cone._HIDDEN_WRITERS
+
+
+def test_a_misspelt_invariant_name_is_a_python_warning_once():
+    """The README's "gets one warning": a Python warning (filters and ``pytest -W error`` see it),
+    once per compiled function and name (it was a log line only)."""
+    torch._dynamo.reset()
+
+    def step(x, token_types):
+        return x * 2 if (token_types == 1).any() else x
+
+    f = torch.compile(step, backend="nosync", options={"codegen": "eager", "invariant": ["token_type"]})
+    with pytest.warns(UserWarning, match=r"options\['invariant'\] names 'token_type'"):
+        f(torch.ones(2), torch.tensor([0, 1]))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f(torch.ones(2), torch.tensor([1, 1]))

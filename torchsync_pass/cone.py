@@ -282,6 +282,19 @@ _HIDDEN_WRITERS: dict[str, tuple[tuple[str, ...], str]] = {
     "cudnn_batch_norm": (("running_mean", "running_var"), "training"),
     "miopen_batch_norm": (("running_mean", "running_var"), "training"),
     "instance_norm": (("running_mean", "running_var"), "use_input_stats"),
+    # quantization-aware training's observer + fake quant (torch.ao's FusedMovingAvgObsFakeQuantize)
+    "fused_moving_avg_obs_fake_quant": (("running_min", "running_max", "scale", "zero_point"), ""),
+    "_fused_moving_avg_obs_fq_helper": (("running_min", "running_max", "scale", "zero_point"), ""),
+    # fused optimizers (``Adam(fused=True)``) and GradScaler's unscale: their schema says they write,
+    # but the kernels leave every version counter as it was (measured on torch 2.13, CPU)
+    "_fused_adam_": (("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"), ""),
+    "_fused_adamw_": (("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"), ""),
+    "_fused_sgd_": (("self", "grads", "momentum_buffer_list"), ""),
+    "_fused_adagrad_": (("self", "grads", "state_sums", "state_steps"), ""),
+    "_amp_foreach_non_finite_check_and_unscale_": (("self", "found_inf"), ""),
+    # ``with torch.autograd._unsafe_preserve_version_counter(t): t.add_(1)`` traces as the write
+    # and then this op, which sets the version back: the write is hidden from then on
+    "_unsafe_set_version_counter": (("tensors",), ""),
 }
 # Buffers those ops write, by the name nn modules give them: a sync on them is not hoisted unless
 # declared, since the module may run in training mode anywhere between two calls (also eagerly).

@@ -22,6 +22,7 @@ import itertools
 import logging
 import re
 import types
+import warnings
 import weakref
 from typing import Any, Iterable, Iterator, Optional
 
@@ -436,6 +437,7 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
         key = (dynamo_hooks.code_key(where), name)
         if key not in _warned:  # warned once per compiled function and name
             _warned.add(key)
+            warnings.warn(message, stacklevel=2)  # seen by warning filters and ``pytest -W error``
             log.warning("%s", message)
 
 

@@ -72,7 +72,8 @@ class Reason(enum.Enum):
     )
     HIDDEN_WRITER = (
         "a leaf is written by an op that does not bump _version (batch-norm running statistics "
-        "in training mode); declare it in options['invariant'] to hoist"
+        "in training mode, QAT's fused fake quant, fused optimizers, a write under "
+        "_unsafe_preserve_version_counter); declare it in options['invariant'] to hoist"
     )
     AUTOCAST = "traced under autocast: the value depends on the autocast state"
     UNSUPPORTED_VALUE = "the value has a dtype or shape the pass does not hoist"
