@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -203,3 +205,51 @@ def test_a_misspelt_invariant_name_is_a_python_warning_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         f(torch.ones(2), torch.tensor([1, 1]))
+
+
+class _Gate(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("token_types", torch.tensor([0, 1, 1]))
+
+    def forward(self, x):
+        return x * 2 if (self.token_types == 1).any() else x - 1
+
+
+_NO_ISOLATION = pytest.mark.skipif("isolate_recompiles" not in inspect.signature(torch.compile).parameters,
+                                   reason="torch.compile has no isolate_recompiles before torch 2.13")
+
+
+@_NO_ISOLATION
+def test_isolated_compiles_of_one_code_each_have_their_own_recompile_budget():
+    """Seven instances of one module, each compiled with ``isolate_recompiles=True`` (what
+    verify_loop does per mode): each compiles once and hoists. Dynamo's compile id counts compiles
+    of the shared ``forward`` across regions, and from the fifth instance on (half of
+    recompile_limit 8) nosync demoted the site: 3 graphs and 2 syncs a call."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    x = torch.ones(3)
+    for k in range(7):
+        step = torch.compile(_Gate(), backend="nosync", options={"codegen": "eager"}, isolate_recompiles=True)
+        step(x)
+        with torchsync_pass.count_syncs() as c:
+            out = step(x)
+        assert torch.equal(out, _Gate()(x))
+        assert c.total == 0, f"instance {k}: {c.total} syncs"
+    assert not any(d.reason.name == "RECOMPILE_BUDGET" for d in torchsync_pass.decisions())
+
+
+@_NO_ISOLATION
+def test_verify_loop_run_again_in_one_process_still_checks_the_hoisted_graph():
+    """verify_loop compiled each mode in its own region, but the budget counted every region's
+    compiles of the step: the fifth run's nosync mode was demoted (more graphs, syncs kept) while
+    the report said ok."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    calls = [((torch.full((3,), float(i)),), {}) for i in range(3)]
+    for r in range(6):
+        rep = torchsync_pass.verify_loop(_Gate(), calls, modes=("nosync-eager",))
+        assert rep.ok, rep
+        (mode,) = [m for m in rep.modes if m.name == "nosync-eager"]
+        assert mode.graphs == 1, f"run {r}: {mode.graphs} graphs"
+    assert not any(d.reason.name == "RECOMPILE_BUDGET" for d in torchsync_pass.decisions())

@@ -49,6 +49,8 @@ private name                                                     used by
 ``torch._dynamo.callback.callback_handler``                      :func:`watch_compiles`
 ``_frozen_importlib._find_and_load``                             :func:`watch_imports`
 ``_debug_get_cache_entry_list``, ``orig_code_map``               :func:`frame_runs_under_dynamo`
+``_get_cache_entries_for_region``, ``get_eval_frame_isolate_recompiles_id``
+(``_debug_get_cache_entry_list`` before torch 2.13)              :func:`compiled_entries`
 ``torch.autograd.profiler._is_profiler_enabled``                 :func:`profiler_enabled`
 ``torch._logging.getArtifactLogger``                             :func:`graph_break_logger`
 ``torch._dynamo.utils.get_compilation_metrics``                  :class:`CompilationWatch`
@@ -931,6 +933,27 @@ def watch_imports(on_start: Callable[[], None], on_end: Callable[[], None]) -> C
 
 _DYNAMO_DIR = os.path.join(os.path.dirname(torch.__file__), "_dynamo") + os.sep
 _EVAL_FRAME = _DYNAMO_DIR + "eval_frame.py"
+
+
+def compiled_entries(code: Any) -> tuple[Optional[int], int]:
+    """``(entries, region)``: how many cache entries Dynamo holds for ``code`` in the
+    ``isolate_recompiles`` region the current call runs in (what Dynamo compares with
+    ``recompile_limit``), and that region's id (-1: the default one, and every region before
+    torch 2.13, which has no isolation). ``entries`` is None where torch cannot say.
+
+    NOTE: Dynamo's compile id (``frame_compile_id``) counts compiles of a code object across every
+    region: ``verify_loop`` compiles each mode in its own region, and ``isolate_recompiles=True``
+    instances share their code, so that count reached half the limit where no region had.
+    """
+    ev = torch._C._dynamo.eval_frame
+    try:
+        if hasattr(ev, "_get_cache_entries_for_region") and hasattr(ev, "get_eval_frame_isolate_recompiles_id"):
+            region = int(ev.get_eval_frame_isolate_recompiles_id())
+            return len(ev._get_cache_entries_for_region(code, region)), region
+        return len(ev._debug_get_cache_entry_list(code)), -1
+    except Exception:  # a torch release that moved these
+        log.debug("cannot count the cache entries of %r", code, exc_info=True)
+        return None, -1
 
 
 def frame_runs_under_dynamo(frame: Any) -> bool:

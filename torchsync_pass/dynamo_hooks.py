@@ -99,7 +99,8 @@ class SyncSite:
     fullgraph: bool
     options: Any  # the raw options of the nosync backend
     frame_code: Any = None  # code object of the frame being compiled (owns the cache entries)
-    frame_compile: int = 0  # how many times that frame was compiled before (0: first compile)
+    frame_compile: int = 0  # how many times that frame was compiled before (0: first compile), in its region
+    frame_region: int = -1  # the isolate_recompiles region compiled in (-1: the default one)
     # Later instructions of the same opcode at the same source position: the two jumps of
     # `if lo <= x <= hi:` share one position and are two syncs (0: the last one).
     occurrence: int = 0
@@ -301,7 +302,6 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
         fullgraph=bool(getattr(tx, "one_graph", False)),
         options=options,
         frame_code=output.root_tx.f_code,
-        frame_compile=_frame_compile_index(),
         occurrence=_later_twins(utx, inst),
         frame_locals=getattr(output.root_tx, "f_locals", None),
         tensor_class=(cls := _python_type(var)),
@@ -309,6 +309,7 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
         _tx=tx,
     )
     site.leaves = [leaf for n in node.graph.find_nodes(op="placeholder") if (leaf := leaf_of(n)) is not None]
+    site.frame_compile, site.frame_region = _frame_compile_index(site.frame_code)
     return site
 
 
@@ -331,11 +332,19 @@ def _later_twins(tx: Any, inst: Any) -> int:
                and (pos := getattr(x, "positions", None)) is not None and (pos.lineno, pos.col_offset) == at)
 
 
-def _frame_compile_index() -> int:
+def _frame_compile_index(code: Any) -> tuple[int, int]:
+    """``(compiles of the frame before this one, region)``: the cache entries ``code`` has in the
+    ``isolate_recompiles`` region compiled in (each ``verify_loop`` mode, each isolated
+    ``torch.compile`` starts at 0), or Dynamo's compile count of the frame where torch cannot say."""
     from torch._guards import CompileContext
 
+    from ._torch_private import compiled_entries
+
+    entries, region = compiled_entries(code)
+    if entries is not None:
+        return entries, region
     cid = CompileContext.current_compile_id()
-    return int(getattr(cid, "frame_compile_id", 0) or 0)
+    return int(getattr(cid, "frame_compile_id", 0) or 0), region
 
 
 def recompile_limit() -> int:

@@ -1211,12 +1211,13 @@ def _budget_exhausted(site: dynamo_hooks.SyncSite) -> bool:
     half of the budget stays for Dynamo's own reasons to recompile (dtype or shape changes, ints
     passed across a graph break), so the frame does not reach the limit because of our guards.
     """
-    if site.frame_code in _budget_frames:
+    key = (site.frame_code, site.frame_region)  # per isolate_recompiles region, as Dynamo's limit
+    if key in _budget_frames:
         return True
     # recompile_limit 1 leaves no recompile for a value that changes: nothing is hoisted (with a
     # hoist, Dynamo would run every later request's frame uncompiled, after the guard's sync)
     if site.frame_compile >= dynamo_hooks.recompile_limit() // 2:
-        _budget_frames.add(site.frame_code)
+        _budget_frames.add(key)
         return True
     return False
 
