@@ -253,3 +253,43 @@ def test_verify_loop_run_again_in_one_process_still_checks_the_hoisted_graph():
         (mode,) = [m for m in rep.modes if m.name == "nosync-eager"]
         assert mode.graphs == 1, f"run {r}: {mode.graphs} graphs"
     assert not any(d.reason.name == "RECOMPILE_BUDGET" for d in torchsync_pass.decisions())
+
+
+_COUNTER_SCRIPT = """
+import warnings, torch
+import torchsync_pass
+{extra}
+from torch._dynamo.testing import CompileCounterWithBackend
+def f(x, m):
+    return x * m.sum().item()
+m = torch.ones(3)
+cc = CompileCounterWithBackend("nosync")
+g = torch.compile(f, backend=cc)
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    with torchsync_pass.count_syncs() as c:
+        for i in range(3):
+            g(torch.ones(2), m)
+late = [x for x in w if "first loaded while Dynamo compiled" in str(x.message)]
+print("RESULT", cc.frame_count, c.total, len(late))
+"""
+
+
+@pytest.mark.parametrize("imported", [False, True], ids=["name-only", "backend-imported"])
+def test_a_wrapper_that_names_nosync_is_never_a_silent_no_op(imported):
+    """``CompileCounterWithBackend("nosync")`` in a fresh process looks the name up after Dynamo
+    traced the frame, before nosync's hooks were installed: nothing was hoisted, and nothing said
+    so. Now a warning says so; with ``import torchsync_pass.backend`` first it hoists."""
+    import subprocess
+    import sys
+
+    extra = "import torchsync_pass.backend" if imported else ""
+    out = subprocess.run([sys.executable, "-c", _COUNTER_SCRIPT.format(extra=extra)], capture_output=True,
+                         text=True, timeout=300)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, out.stderr[-2000:]
+    graphs, syncs, late = map(int, line[0].split()[1:])
+    if imported:
+        assert (graphs, syncs, late) == (1, 0, 0)
+    else:
+        assert syncs == 3 and late == 1

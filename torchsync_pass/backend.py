@@ -255,6 +255,12 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     _warn_frozen(gm, opts)
     if dynamo_hooks.backend_hidden():
         _hidden_backend(opts)
+    elif dynamo_hooks.installed_while_tracing():
+        never_silent(opts.strict, _WARNED_LATE,
+                     "nosync: this module was first loaded while Dynamo compiled this frame (a backend wrapper "
+                     "that looks 'nosync' up by name when it is called, such as "
+                     "CompileCounterWithBackend('nosync')), so the frame was traced without nosync's hooks: no "
+                     "sync in it was hoisted or rewritten. `import torchsync_pass.backend` before compiling.")
     # NOTE: also here, not only at sync sites: invariant caching reads the declared names too
     names.check_declared_names(*dynamo_hooks.current_frame(), opts)
     compile_id = dynamo_hooks.current_compile_id()
@@ -301,6 +307,9 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         del record[: -MAX_COMPILED]
     # NOTE: after verification, which runs the graph: see Note [A guard nobody can drop silently]
     return dynamo_hooks.require_guard(compiled, with_guard_token)
+
+
+_WARNED_LATE: list = []
 
 
 def _hidden_backend(opts: Options) -> None:

@@ -2365,14 +2365,29 @@ def _swap_tp_method(cls: type, attr: str, is_old: Callable[[Any], bool], new: Ca
     return replaced
 
 
+# The compile id of the frame Dynamo was compiling when the hooks were installed (None: none was):
+# that frame was traced without them (see installed_while_tracing).
+_installed_in_compile: Optional[str] = None
+
+
+def installed_while_tracing() -> bool:
+    """Were the hooks installed during the compile of the frame being compiled now? Then that frame
+    was traced without them: the nosync backend was first loaded from inside the compile (a
+    wrapper that looks ``"nosync"`` up by name when it is called, after the trace:
+    ``CompileCounterWithBackend("nosync")``), and no sync of the frame was hoisted or rewritten."""
+    cid = current_compile_id()
+    return cid is not None and cid == _installed_in_compile
+
+
 def install(policy: Policy, backend_matcher: Callable[[Any], bool]) -> bool:
     """Install the hooks (idempotent). Returns False when the pass is disabled for this torch."""
-    global _policy, _backend_matcher, _installed, _disabled_reason
+    global _policy, _backend_matcher, _installed, _disabled_reason, _installed_in_compile
     with _install_lock:
         _backend_matcher = backend_matcher
         if _installed:
             _policy = policy
             return _disabled_reason is None
+        _installed_in_compile = current_compile_id()
         reason = _unsupported_reason()
         if reason is None:
             try:
