@@ -293,3 +293,39 @@ def test_a_wrapper_that_names_nosync_is_never_a_silent_no_op(imported):
         assert (graphs, syncs, late) == (1, 0, 0)
     else:
         assert syncs == 3 and late == 1
+
+
+def test_verify_loop_refuses_a_codegen_option_that_would_override_the_modes():
+    """``options={"codegen": "inductor"}`` turned nosync-eager into an Inductor mode compared with
+    eager bitwise: a false FAILED blaming nosync. Now a ValueError naming the option."""
+    calls = [((torch.full((3,), 1.0),), {})]
+    with pytest.raises(ValueError, match="may not set 'codegen'"):
+        torchsync_pass.verify_loop(_Gate(), calls, modes=("nosync-eager",), options={"codegen": "inductor"})
+
+
+class _WrongReference(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("token_types", torch.tensor([0, 1, 1]))
+
+    def forward(self, x):
+        return x * 3  # set up for another request: not the step's answer
+
+
+def test_verify_loop_names_a_reference_further_from_eager_than_the_mode():
+    """A reference step that is itself wrong (a hand-hoisted model set up for another request) made
+    the mode FAILED with nothing pointing at the reference; the report now says the reference is
+    further from eager than the mode (which here equals eager bitwise)."""
+    from torchsync_pass.loop import LoopMode
+
+    torch._dynamo.reset()
+    calls = [((torch.full((3,), float(i)),), {}) for i in range(1, 3)]
+    modes = (LoopMode("nosync-e", "nosync", {"codegen": "eager"}, must_equal="ref"),
+             LoopMode("ref", "eager", None, must_equal=None, step=_WrongReference()))
+    rep = torchsync_pass.verify_loop(_Gate(), calls, modes=modes)
+    assert not rep.ok
+    assert rep.suspect_references() == {"nosync-e": "ref"}
+    assert "note: its reference ref is further from eager" in str(rep)
+    assert rep.to_json()["suspect_references"] == {"nosync-e": "ref"}
+    good = torchsync_pass.verify_loop(_Gate(), calls, modes=("nosync-eager",))
+    assert good.ok and good.suspect_references() == {} and "note:" not in str(good)

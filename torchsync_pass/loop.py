@@ -79,6 +79,12 @@ def resolve_modes(
             raise ValueError("'eager' is the reference that every mode is compared with; do not list it in modes")
         else:
             raise ValueError(f"unknown mode {m!r}: use one of {sorted(_PRESETS)} or a LoopMode")
+    if options and "codegen" in options:
+        # each mode names its own codegen (nosync-eager must equal eager, nosync-inductor stock
+        # Inductor): one codegen for all would compare a mode with the wrong reference
+        raise ValueError(f"verify_loop: options may not set 'codegen' ({options['codegen']!r}): each mode "
+                         "sets its own (nosync-eager: 'eager', nosync-inductor: 'inductor'); choose the codegen by "
+                         "the modes you list, or pass a LoopMode with the options you want")
     if options:
         out = [
             dataclasses.replace(m, options={**(m.options or {}), **options}) if m.backend == "nosync" else m
@@ -203,14 +209,37 @@ class LoopReport:
                 return m
         raise KeyError(name)
 
+    def suspect_references(self) -> dict[str, str]:
+        """``{mode: reference}`` for each mode that differs from its reference while that reference
+        is further from eager than the mode is (a hand-hoisted step set up for another request,
+        say): the reference is the first suspect, not the mode."""
+        by_name = {m.name: m for m in self.modes}
+        out = {}
+        for m in self.modes:
+            ref = by_name.get(m.must_equal) if m.must_equal not in (None, "eager") else None
+            if ref is None or not m.mismatches or ref.eager_first_step is None:
+                continue
+            if m.eager_first_step is None or (ref.eager_max_abs or 0.0) > (m.eager_max_abs or 0.0):
+                out[m.name] = ref.name
+        return out
+
     def __str__(self) -> str:
         status = "ok" if self.ok else "FAILED"
         lines = [f"verify_loop: {self.steps} eager steps, {len(self.modes)} modes: {status}"]
-        lines.extend(textwrap.indent(m.describe(), "  ") for m in self.modes)
+        suspect = self.suspect_references()
+        for m in self.modes:
+            lines.append(textwrap.indent(m.describe(), "  "))
+            if m.name in suspect:
+                ref = self[suspect[m.name]]
+                mine = "bitwise equal to eager" if m.eager_first_step is None else f"max abs {m.eager_max_abs or 0.0:.6g}"
+                lines.append(f"    note: its reference {ref.name} is further from eager (max abs "
+                             f"{ref.eager_max_abs or 0.0:.6g}) than {m.name} is ({mine}): check the reference "
+                             "(a hand-hoisted step set up for this request's values?)")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "steps": self.steps, "modes": [m.to_json() for m in self.modes]}
+        return {"ok": self.ok, "steps": self.steps, "modes": [m.to_json() for m in self.modes],
+                "suspect_references": self.suspect_references()}
 
 
 def _module_state(step: Any) -> dict[str, torch.Tensor]:
@@ -289,7 +318,8 @@ def verify_loop(
             against eager only. Also ``"aot_eager"`` and ``"dynamo-eager"`` (must equal eager).
         setup: ``setup() -> state``, called once; every run (eager and each mode) gets a deep copy.
         steps: stop after this many steps (default: all of ``calls``, or until it returns ``None``).
-        options: extra options for the nosync modes (``{"invariant": [...]}``).
+        options: extra options for the nosync modes (``{"invariant": [...]}``); not ``codegen``,
+            which each mode sets (a ``ValueError``).
         hoisted: the hand-hoisted step (request-invariant values passed as Python constants). If
             given, stock Inductor on it becomes the bitwise reference of ``"nosync-inductor"``,
             which is the exact one (removing a break lets Inductor fuse across it, so stock Inductor
