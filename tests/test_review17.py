@@ -329,3 +329,26 @@ def test_verify_loop_names_a_reference_further_from_eager_than_the_mode():
     assert rep.to_json()["suspect_references"] == {"nosync-e": "ref"}
     good = torchsync_pass.verify_loop(_Gate(), calls, modes=("nosync-eager",))
     assert good.ok and good.suspect_references() == {} and "note:" not in str(good)
+
+
+def test_a_kept_select_is_explained_without_rows_and_tables():
+    """The reason of a branch kept because its select would be returned spoke of a "row" and its
+    "table" (the list-rewrite text) and said the arm was an input, a view or returned, while here
+    it is read by another op."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+
+    def f(x, m):
+        h = x * 2
+        if m.any():
+            h = h + 1
+        return h
+
+    g = torch.compile(f, backend="nosync", options={"codegen": "eager"})
+    for i in range(4):
+        m = torch.tensor([i % 2 == 0])
+        assert torch.equal(g(torch.ones(2), m), f(torch.ones(2), m))
+    kept = [d for d in torchsync_pass.decisions() if d.action.name == "KEPT"]
+    assert kept
+    text = " ".join(f"{d.reason.value} {d.detail}" for d in kept)
+    assert "read by other ops" in text and "table is written" not in text and "row is written" not in text

@@ -128,8 +128,8 @@ class Reason(enum.Enum):
     REWRITE_OTHER_USE = "the value is used other than as an index into a tensor or a list of tensors"
     REWRITE_TABLE = "the indexed object is not a tensor or a list of same-shape contiguous tensors"
     REWRITE_ALIASED = (
-        "the row is written in place or returned, or its table is written after the read: eager's row "
-        "aliases the table, a gathered copy would not"
+        "eager's own tensor would be observable (a list row, or a branch's arm, written in place or "
+        "returned, or its table written after the read): a gathered row or a select is a copy"
     )
 
 

@@ -382,8 +382,10 @@ def check_graph(gm: torch.fx.GraphModule, compile_id: Optional[str]) -> None:
         if key is None:
             problem = "the row has no traced value to check"
         elif key in returned and not (branch and _fresh_arms(row, tables, returned, inputs)):
-            problem = ("the selected tensor (or a view of it) is returned, and an arm is an input, a view or "
-                       "returned too" if branch else "the row (or a view of it) is returned from the graph")
+            problem = ("the selected tensor (or a view of it) is returned, and an arm is not a tensor the graph "
+                       "made for this select alone (it is an input, a view, returned too, or read by other ops, "
+                       "so eager's returned object could be seen elsewhere)" if branch
+                       else "the row (or a view of it) is returned from the graph")
         elif any(k == key for _, k in writes):
             problem = "the row (or a view of it) is written in place"
         elif any(i > since and k in table_keys for i, k in writes):
