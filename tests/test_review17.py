@@ -352,3 +352,17 @@ def test_a_kept_select_is_explained_without_rows_and_tables():
     assert kept
     text = " ".join(f"{d.reason.value} {d.detail}" for d in kept)
     assert "read by other ops" in text and "table is written" not in text and "row is written" not in text
+
+
+def test_the_per_call_list_check_takes_its_fast_path_on_plain_rows(monkeypatch):
+    """Plain rows never reach the per-row Python test (the fast path once raised a TypeError on
+    every call, a name clash, and fell back to it: right answers, no gain)."""
+    calls = []
+    exact = dynamo_hooks._python_differs
+    monkeypatch.setattr(dynamo_hooks, "_python_differs", lambda t: calls.append(t) or exact(t))
+    assert dynamo_hooks._none_python_differs(tuple(_rows(64))) is True
+    assert calls == []
+    rows = _rows(3)
+    rows[1].grad = torch.ones(2)
+    assert dynamo_hooks._none_python_differs(tuple(rows)) is False
+    assert calls  # a row with a .grad: decided by the exact test
