@@ -366,3 +366,27 @@ def test_the_per_call_list_check_takes_its_fast_path_on_plain_rows(monkeypatch):
     rows[1].grad = torch.ones(2)
     assert dynamo_hooks._none_python_differs(tuple(rows)) is False
     assert calls  # a row with a .grad: decided by the exact test
+
+
+def test_the_counter_s_compile_pause_survives_a_dynamo_reset_inside_it():
+    """``torch._dynamo.reset()`` inside ``count_syncs()`` emptied Dynamo's compile callbacks, the
+    counter's pause among them: later compiles ran under the profiler's Python tracer (a tiny SD3
+    loop with a recompile grew past 4 GB). The counter's callbacks now stay; others are cleared."""
+    from torch._dynamo.callback import callback_handler
+
+    other = []
+
+    def foreign(_args):
+        other.append(1)
+
+    with torchsync_pass.count_syncs():
+        mine = list(callback_handler.start_callbacks)
+        assert mine
+        callback_handler.register_start_callback(foreign)
+        torch._dynamo.reset()
+        assert list(callback_handler.start_callbacks) == mine
+        assert len(callback_handler.end_callbacks) >= 1
+        f = torch.compile(lambda x: x * 2, backend="eager")
+        f(torch.ones(2))
+    assert other == []  # cleared as before
+    assert not any(c in callback_handler.start_callbacks for c in mine)  # the counter's exit removed them

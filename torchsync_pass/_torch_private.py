@@ -884,16 +884,38 @@ def watch_compiles(on_start: Callable[[], None], on_end: Callable[[], None]) -> 
     from torch._dynamo.callback import callback_handler
 
     start, end = (lambda _args: on_start()), (lambda _args: on_end())
+    # NOTE: torch._dynamo.reset() empties the registry (callback_handler.clear()): a reset inside a
+    # count_syncs() block left the later compiles unpaused, and the profiler's Python tracer, on
+    # through them, grew the process by gigabytes. Our callbacks survive that clear.
+    for attr in ("start_callbacks", "end_callbacks"):
+        current = getattr(callback_handler, attr)
+        if type(current) is list:
+            setattr(callback_handler, attr, _ClearKeeps(current))
+    _KEPT_CALLBACKS.update((id(start), id(end)))
     callback_handler.register_start_callback(start)
     callback_handler.register_end_callback(end)
 
     def remove() -> None:
+        _KEPT_CALLBACKS.difference_update((id(start), id(end)))
         for unregister, cb in ((callback_handler.remove_start_callback, start),
                                (callback_handler.remove_end_callback, end)):
-            with contextlib.suppress(ValueError):  # already removed (callback_handler.clear())
+            with contextlib.suppress(ValueError):  # already removed
                 unregister(cb)
 
     return remove
+
+
+_KEPT_CALLBACKS: set = set()  # ids of watch_compiles' live callbacks
+
+
+class _ClearKeeps(list):
+    """Dynamo's callback list whose ``clear()`` (``torch._dynamo.reset()``) keeps
+    :func:`watch_compiles`' live callbacks and drops every other one, as before."""
+
+    def clear(self) -> None:
+        kept = [c for c in self if id(c) in _KEPT_CALLBACKS]
+        super().clear()
+        self.extend(kept)
 
 
 def watch_imports(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
