@@ -272,6 +272,16 @@ with warnings.catch_warnings(record=True) as w:
             g(torch.ones(2), m)
 late = [x for x in w if "first loaded while Dynamo compiled" in str(x.message)]
 print("RESULT", cc.frame_count, c.total, len(late))
+# after a reset, compile ids start again at 0/0: a normal strict compile must not be taken for
+# the frame traced before the hooks were loaded
+torch._dynamo.reset(); torchsync_pass.reset()
+def h(x, m):
+    return x + m.sum().item()
+g2 = torch.compile(h, backend="nosync", options={{"codegen": "eager", "strict": True}})
+g2(torch.ones(2), m)
+with torchsync_pass.count_syncs() as c2:
+    g2(torch.ones(2), m)
+print("STRICT", c2.total)
 """
 
 
@@ -289,6 +299,7 @@ def test_a_wrapper_that_names_nosync_is_never_a_silent_no_op(imported):
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
     assert line, out.stderr[-2000:]
     graphs, syncs, late = map(int, line[0].split()[1:])
+    assert "STRICT 0" in out.stdout, out.stderr[-2000:]
     if imported:
         assert (graphs, syncs, late) == (1, 0, 0)
     else:
@@ -331,6 +342,8 @@ def test_verify_loop_names_a_reference_further_from_eager_than_the_mode():
     assert good.ok and good.suspect_references() == {} and "note:" not in str(good)
 
 
+@pytest.mark.skipif(dynamo_hooks._torch_version() < dynamo_hooks.SELECT_MIN_TORCH,
+                    reason="the device-side select needs torch 2.13+ (see dynamo_hooks.SELECT_MIN_TORCH)")
 def test_a_kept_select_is_explained_without_rows_and_tables():
     """The reason of a branch kept because its select would be returned spoke of a "row" and its
     "table" (the list-rewrite text) and said the arm was an input, a view or returned, while here
@@ -390,3 +403,44 @@ def test_the_counter_s_compile_pause_survives_a_dynamo_reset_inside_it():
         f(torch.ones(2))
     assert other == []  # cleared as before
     assert not any(c in callback_handler.start_callbacks for c in mine)  # the counter's exit removed them
+
+
+def test_a_misspelt_invariant_name_under_warnings_as_errors_reaches_the_caller():
+    """Under ``-W error`` the warning is an exception raised inside nosync's policy, whose catch-all
+    logged "could not analyse the sync" and went on (hoisting anyway): now it reaches the caller."""
+    import warnings
+
+    torch._dynamo.reset()
+
+    def step2(x, token_types):
+        return x * 2 if (token_types == 1).any() else x
+
+    f = torch.compile(step2, backend="nosync", options={"codegen": "eager", "invariant": ["token_typ"]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="names 'token_typ'"):
+            f(torch.ones(2), torch.tensor([0, 1]))
+
+
+def test_verify_loop_does_not_blame_the_reference_for_a_mode_that_raised():
+    """A mode that raised at its second step matched eager at its first: it was called "bitwise
+    equal to eager" and its reference suspected."""
+    from torchsync_pass.loop import LoopMode
+
+    def crashing_backend(gm, ex):
+        n = [0]
+
+        def run(*a):
+            n[0] += 1
+            if n[0] >= 2:
+                raise RuntimeError("mode broke on its second call")
+            return gm.forward(*a)
+        return run
+
+    torch._dynamo.reset()
+    calls = [((torch.full((3,), float(i)),), {}) for i in range(1, 4)]
+    modes = (LoopMode("m", crashing_backend, None, must_equal="ref"),
+             LoopMode("ref", "eager", None, must_equal=None, step=_WrongReference()))
+    rep = torchsync_pass.verify_loop(_Gate(), calls, modes=modes)
+    assert not rep.ok and rep["m"].error is not None
+    assert rep.suspect_references() == {} and "note:" not in str(rep)

@@ -132,7 +132,7 @@ def _policy(site: dynamo_hooks.SyncSite) -> tuple[bool, Any]:
     try:
         opts = _resolve(site.options)
         return guards.decide(site, opts)
-    except NosyncError as e:
+    except (NosyncError, Warning) as e:  # a Warning: a warning the caller's filters made an error
         dynamo_hooks.raise_through_dynamo(e)
     except Exception:
         # NOTE: the options themselves may be what failed to resolve: read strict from the raw dict

@@ -2366,9 +2366,16 @@ def _swap_tp_method(cls: type, attr: str, is_old: Callable[[Any], bool], new: Ca
     return replaced
 
 
-# The compile id of the frame Dynamo was compiling when the hooks were installed (None: none was):
-# that frame was traced without them (see installed_while_tracing).
-_installed_in_compile: Optional[str] = None
+# A weak reference to the compile context of the frame Dynamo was compiling when the hooks were
+# installed (None: none was): that frame was traced without them (see installed_while_tracing).
+# NOTE: the context object, not the compile id: ids start again at 0/0 after torch._dynamo.reset().
+_installed_in_compile: Any = None
+
+
+def _compile_context() -> Any:
+    from torch._guards import CompileContext
+
+    return CompileContext.try_get()
 
 
 def installed_while_tracing() -> bool:
@@ -2376,8 +2383,8 @@ def installed_while_tracing() -> bool:
     was traced without them: the nosync backend was first loaded from inside the compile (a
     wrapper that looks ``"nosync"`` up by name when it is called, after the trace:
     ``CompileCounterWithBackend("nosync")``), and no sync of the frame was hoisted or rewritten."""
-    cid = current_compile_id()
-    return cid is not None and cid == _installed_in_compile
+    ctx = _compile_context()
+    return ctx is not None and _installed_in_compile is not None and _installed_in_compile() is ctx
 
 
 def install(policy: Policy, backend_matcher: Callable[[Any], bool]) -> bool:
@@ -2388,7 +2395,8 @@ def install(policy: Policy, backend_matcher: Callable[[Any], bool]) -> bool:
         if _installed:
             _policy = policy
             return _disabled_reason is None
-        _installed_in_compile = current_compile_id()
+        ctx = _compile_context()
+        _installed_in_compile = weakref.ref(ctx) if ctx is not None else None
         reason = _unsupported_reason()
         if reason is None:
             try:

@@ -219,6 +219,8 @@ class LoopReport:
             ref = by_name.get(m.must_equal) if m.must_equal not in (None, "eager") else None
             if ref is None or not m.mismatches or ref.eager_first_step is None:
                 continue
+            if m.error is not None or m.steps_run != m.expected_steps:  # the mode failed on its own
+                continue
             if m.eager_first_step is None or (ref.eager_max_abs or 0.0) > (m.eager_max_abs or 0.0):
                 out[m.name] = ref.name
         return out
