@@ -107,7 +107,8 @@ class Reason(enum.Enum):
     LEAVES_CHANGE = "its leaves change identity on most calls"
     RECOMPILE_BUDGET = "its frame used up the recompile budget; compiled the stock way from now on"
     # CACHED / NOT_CACHED (tensors, not syncs)
-    INVARIANT_TENSOR = "computed only from request-invariant inputs through pure ops: once per request"
+    INVARIANT_TENSOR = ("computed only from request-invariant inputs through pure ops: once per request "
+                        "(again on each call whose inputs were written in place)")
     CACHE_BYTES = "does not fit in options['invariant_cache_bytes']: recomputed every step"
     # REWRITTEN / KEPT (rewrite.py: reads used only as an index)
     INDEX_TENSOR = "used only as an index into a tensor: traced as a device-side gather (aten.index), no host read"
