@@ -444,3 +444,30 @@ def test_verify_loop_does_not_blame_the_reference_for_a_mode_that_raised():
     rep = torchsync_pass.verify_loop(_Gate(), calls, modes=modes)
     assert not rep.ok and rep["m"].error is not None
     assert rep.suspect_references() == {} and "note:" not in str(rep)
+
+
+def _two_breaks(x, pos):
+    n = int(pos)
+    y = x[:n].sum() * 2
+    done = bool((y > 1e9).all())
+    return y, done
+
+
+def test_a_specialised_call_in_a_resumed_function_is_counted_at_its_own_line():
+    """Python 3.11 runs a specialised ``bool(t)`` inside ``PRECALL``, which Dynamo's rebuilt call
+    after a graph break leaves at the previous break's line: once the resume function was
+    recompiled (dynamic ``pos``) and warm, 2 of 10 ``bool`` reads were counted at the ``int(pos)``
+    line."""
+    import inspect as _inspect
+
+    torch._dynamo.reset()
+    first = _inspect.getsourcelines(_two_breaks)[1]
+    int_line, bool_line = first + 1, first + 3
+    f = torch.compile(_two_breaks, backend="eager")
+    x, pos = torch.arange(20.0), torch.tensor(3)
+    with torchsync_pass.count_syncs() as c:
+        for _ in range(10):
+            f(x, pos)
+            pos += 1
+    mine = {k.line: dict(s.kinds) for k, s in c.sites.items() if k.file == __file__}
+    assert mine == {int_line: {"int": 10}, bool_line: {"bool": 10}}, mine

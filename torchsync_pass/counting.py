@@ -395,11 +395,33 @@ def _frame_line(frame: Any) -> int:
     """
     line = frame.f_lineno
     lasti = frame.f_lasti
-    if _TO_BOOL is not None and lasti >= 0:
+    if (_TO_BOOL is not None or _PRECALL is not None) and lasti >= 0:
         co = frame.f_code.co_code
-        if lasti < len(co) and co[lasti] == _TO_BOOL:
+        if lasti < len(co) and _TO_BOOL is not None and co[lasti] == _TO_BOOL:
             line = _to_bool_jump_line(frame.f_code, lasti) or line
+        elif lasti < len(co) and _PRECALL is not None and co[lasti] == _PRECALL:
+            line = _precall_call_line(frame.f_code, lasti) or line
     return line or frame.f_code.co_firstlineno
+
+
+# NOTE [PRECALL lines]: on Python 3.11 a call is ``PRECALL`` + ``CALL``, and once CPython has
+# specialised a call of a builtin class (``bool(t)``, ``int(t)``: PRECALL_BUILTIN_CLASS) the call
+# runs inside ``PRECALL``. Where Dynamo rebuilt the call after a graph break, its ``PRECALL`` has
+# no source position of its own and carries the line of the instruction before it (the previous
+# break's line), while the ``CALL`` keeps the user's line: a recompiled resume function's
+# ``bool(...)`` was counted at the line of the ``int(pos)`` before it once specialised.
+_PRECALL = dis.opmap.get("PRECALL")  # Python 3.11 only
+
+
+@functools.lru_cache(maxsize=256)
+def _precall_call_line(code: Any, lasti: int) -> int | None:
+    """The line of the ``CALL`` that completes the ``PRECALL`` at ``lasti`` (None if none)."""
+    for ins in dis.get_instructions(code):
+        if ins.offset > lasti:
+            if ins.opname == "CALL" and ins.positions is not None:
+                return ins.positions.lineno
+            return None
+    return None
 
 
 @functools.lru_cache(maxsize=256)
