@@ -471,3 +471,24 @@ def test_a_specialised_call_in_a_resumed_function_is_counted_at_its_own_line():
             pos += 1
     mine = {k.line: dict(s.kinds) for k, s in c.sites.items() if k.file == __file__}
     assert mine == {int_line: {"int": 10}, bool_line: {"bool": 10}}, mine
+
+
+def test_keep_nosync_guards_keeps_the_guard_of_a_value_a_graph_break_carries():
+    """The README's engine recipe (``keep_nosync_guards(skip_all_guards_unsafe)``) with a guidance
+    buffer rewritten in place: the site is demoted (LEAVES_CHANGE) and its ``.item()`` goes back to
+    Dynamo, which guards the value it carries to the code after the break (``___stack0``); the
+    filter dropped that guard and calls 4-7 returned 3.0 where eager gave 4.0 ... 7.0."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+
+    def step(x, guidance):
+        g = guidance.max().item()
+        return x * g
+
+    f = torch.compile(step, backend="nosync", options={
+        "codegen": "eager", "guard_filter_fn": torchsync_pass.keep_nosync_guards(torch.compiler.skip_all_guards_unsafe)})
+    x, buf = torch.ones(3), torch.ones(4)
+    for it, v in enumerate([1.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]):
+        buf.fill_(v)
+        assert torch.equal(f(x, buf), step(x, buf)), f"call {it}"
+    assert any(d.reason.name == "LEAVES_CHANGE" for d in torchsync_pass.decisions())

@@ -345,9 +345,18 @@ def keep_nosync_guards(guard_filter_fn: Callable[[list], list]) -> Callable[[lis
                         f"(e.g. torch.compiler.skip_all_guards_unsafe), got {type(guard_filter_fn).__name__}")
 
     def keep(entries: list) -> list:
-        return [bool(k) or dynamo_hooks.is_nosync_guard(e) for k, e in zip(guard_filter_fn(entries), entries)]
+        return [bool(k) or dynamo_hooks.is_nosync_guard(e) or _carried_value(e)
+                for k, e in zip(guard_filter_fn(entries), entries)]
 
     return keep
+
+
+def _carried_value(entry: Any) -> bool:
+    """A guard on a value a graph break carried to the code after it (``___stack0``: the result of a
+    sync Dynamo made, one nosync left to it or demoted): dropped, the code after the break would
+    reuse the value it was compiled with (a demoted ``.item()`` served its old value)."""
+    name = str(getattr(entry, "name", "") or "")
+    return name.startswith(("___stack", "L['___stack"))
 
 
 def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode: Optional[str]) -> Callable:
