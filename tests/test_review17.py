@@ -492,3 +492,26 @@ def test_keep_nosync_guards_keeps_the_guard_of_a_value_a_graph_break_carries():
         buf.fill_(v)
         assert torch.equal(f(x, buf), step(x, buf)), f"call {it}"
     assert any(d.reason.name == "LEAVES_CHANGE" for d in torchsync_pass.decisions())
+
+
+def test_check_request_on_a_batch_of_another_size_reports_instead_of_raising():
+    """Compacted slots (``buf[:n]``) of a continuous-batching engine: the hoisted cone was traced
+    with ``view(B, 2, 4)`` at B = 4, and check_request ran it on a batch of 3: a raw RuntimeError
+    where the compiled call and eager both work. Now a change (the frame recompiles for the shape)."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+
+    def step(x, token_types):
+        tt = token_types.view(x.shape[0], 2, 4)
+        if (tt[:, 0] == 1).any():
+            x = x * 2
+        return x + 1
+
+    f = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+    buf_tt, buf_x = torch.zeros(4, 8, dtype=torch.long), torch.randn(4, 8)
+    for n in (4, 4, 3, 3, 2, 4):
+        args = (buf_x[:n], buf_tt[:n])
+        rep = torchsync_pass.check_request(f, *args, on_change="report")
+        if n != 4:
+            assert not rep.ok and any("raised on this request's inputs" in c.why for c in rep.changed)
+        assert torch.equal(f(*args), step(*args))

@@ -339,6 +339,8 @@ def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
     by_cone: dict[int, list] = {}
     for chk in checks:  # several cache entries (specs) share one cone and its memo
         by_cone.setdefault(id(chk.cone), []).append(chk)
+    raised: dict = {}  # site -> the change to report if no cone of the site could be asked
+    asked: set = set()
     for group in by_cone.values():
         chk, cone = group[0], group[0].cone
         # NOTE: the specs of these checks, not all of the cone's: functions sharing one code
@@ -382,12 +384,24 @@ def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
                     "the call recompiles; make it outside inference mode, or declare it in "
                     "options['invariant'] (no in-place writes)"))
             continue
-        entry, synced = cone.current(tuple(leaves), cone.memo_for(bits))
+        try:
+            entry, synced = cone.current(tuple(leaves), cone.memo_for(bits))
+        except Exception as e:  # the question cannot be asked of these inputs as this cone was traced
+            # NOTE: leaves of another shape (a batch that shrank: ``t.view(B, 2, 4)`` in the cone):
+            # Dynamo's own guards select another entry (its own cone, traced at that shape) or
+            # recompile; a change only when no cone of the site could be asked
+            raised.setdefault(chk.state.site, Change(
+                chk.state.site, chk.state.source, None, tuple(s.value for s in specs.values()),
+                why=f"not computed: the hoisted cone raised on this request's inputs ({type(e).__name__}: "
+                    f"{e}); inputs of another shape, dtype or device than compiled recompile the frame"))
+            continue
+        asked.add(chk.state.site)
         report.syncs += int(synced)
         current[id(cone)] = (entry.key, entry.value)
         if entry.key not in specs:
             report.changed.append(Change(chk.state.site, chk.state.source, entry.value,
                                          tuple(s.value for s in specs.values())))
+    report.changed.extend(change for site, change in raised.items() if site not in asked)
     if len(report.changed) == changes:
         _check_one_entry_serves(checks, current, fr, report)
 
