@@ -375,6 +375,13 @@ def test_the_per_call_list_check_takes_its_fast_path_on_plain_rows(monkeypatch):
     monkeypatch.setattr(dynamo_hooks, "_python_differs", lambda t: calls.append(t) or exact(t))
     assert dynamo_hooks._none_python_differs(tuple(_rows(64))) is True
     assert calls == []
+    # Dynamo marks the list's tensors it saw (``_dynamo_static_input_type``): still the fast path
+    # (it fell back on every call of the prefill example: 512 rows, 610 -> 329 us a call)
+    marked = _rows(64)
+    for t in marked:
+        t._dynamo_static_input_type = "unguarded"
+    assert dynamo_hooks._none_python_differs(tuple(marked)) is True
+    assert calls == []
     rows = _rows(3)
     rows[1].grad = torch.ones(2)
     assert dynamo_hooks._none_python_differs(tuple(rows)) is False

@@ -1979,8 +1979,10 @@ def _none_python_differs(ts: tuple) -> bool:
     one lookup of the list: 512 rows 201 -> 69 us a call, 64 rows 27 -> 9 us, on this project's
     CPU)."""
     try:
-        if set(map(type, ts)) <= _PLAIN_TENSOR and set(map(_GRAD, ts)) <= _NO_GRAD and not any(map(len, map(_DICT, ts))):
-            return True
+        if set(map(type, ts)) <= _PLAIN_TENSOR and set(map(_GRAD, ts)) <= _NO_GRAD:
+            # every attribute name of every row at once (Dynamo marks the tensors it saw with
+            # ``_dynamo_*`` attributes, which a copy lacking them does not show to the program)
+            return all(k.startswith("_dynamo") for k in set().union(*map(_DICT, ts)))
     except Exception:  # an odd .grad (unhashable): the exact check below decides
         pass
     return not any(_python_differs(t) for t in ts)
