@@ -522,3 +522,43 @@ def test_check_request_on_a_batch_of_another_size_reports_instead_of_raising():
         if n != 4:
             assert not rep.ok and any("raised on this request's inputs" in c.why for c in rep.changed)
         assert torch.equal(f(*args), step(*args))
+
+
+_ENGINE_SCRIPT = '''
+import torch, torchsync_pass
+W = torch.randn(8, 8)
+def step(x, token_types):
+    h = x @ W
+    m = (token_types == 0).float(); n_txt = int(m.sum())
+    return h * n_txt + m.sum(1, keepdim=True)
+f = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+buf = torch.zeros(4, 8, dtype=torch.long)
+x = torch.randn(4, 8)
+for it in range(12):
+    if it < 3 or it % 3 == 0:
+        buf[it % 4, : it % 8] = 1
+    out = f(x, buf)
+    assert torch.equal(out, step(x, buf))
+'''
+
+
+def test_explain_tags_a_sync_site_with_its_own_decision_not_a_cached_tensor_s(tmp_path, capsys):
+    """A persistent slot buffer written in place between steps: the int() at line 6 is hoisted,
+    demoted and kept, and a tensor on the same line is cached. The demotion said the leaves
+    "change identity" (one buffer, written in place). In the reviewer's larger engine loop the
+    site table also said ``[nosync: cached]`` (a cached tensor's decision taken for the sync's);
+    this script does not reproduce that order, and checks only that the tag is a sync's."""
+    import json
+
+    from torchsync_pass import explain
+
+    script = tmp_path / "engine.py"
+    script.write_text(_ENGINE_SCRIPT)
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    assert explain.main(["--json", "--progress", "0", str(script)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    site = [s for s in rep["sites"] if s["line"] == 6 and s["file"].endswith("engine.py")]
+    assert site and "cached" not in json.dumps(site[0]["nosync"]), site
+    demoted = [d for d in rep["nosync"] if d["action"] == "demoted"]
+    assert demoted and all("identity" not in json.dumps(d) for d in demoted)

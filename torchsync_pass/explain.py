@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from . import report
-from .report import DECISIONS, Decision, SiteKey
+from .report import DECISIONS, Action, Decision, SiteKey
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +330,9 @@ def build_report(
     script: str, args: list[str], outcome: _Outcome, counts: Any, funcs: list[CompiledFunction],
     decisions: list[Decision], notes: list[str], verification: list[dict] | None = None,
 ) -> dict[str, Any]:
-    latest = {d.site: d for d in decisions}  # the last decision of each site
+    # the last decision of each sync site (a cached tensor's decision is not a sync's: a demoted
+    # int() on the line of a cached tensor was tagged "cached")
+    latest = {d.site: d for d in decisions if d.action not in (Action.CACHED, Action.NOT_CACHED)}
     body = counts.to_json()
     sites = []
     for st in counts.sorted_sites():

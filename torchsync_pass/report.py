@@ -104,7 +104,7 @@ class Reason(enum.Enum):
     )
     # DEMOTED
     TOO_MANY_VALUES = "the value took more distinct values than max_specializations"
-    LEAVES_CHANGE = "its leaves change identity on most calls"
+    LEAVES_CHANGE = "its leaves change on most calls (new tensors, or the same ones written in place)"
     RECOMPILE_BUDGET = "its frame used up the recompile budget; compiled the stock way from now on"
     # CACHED / NOT_CACHED (tensors, not syncs)
     INVARIANT_TENSOR = ("computed only from request-invariant inputs through pure ops: once per request "
