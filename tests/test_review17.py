@@ -562,3 +562,38 @@ def test_explain_tags_a_sync_site_with_its_own_decision_not_a_cached_tensor_s(tm
     assert site and "cached" not in json.dumps(site[0]["nosync"]), site
     demoted = [d for d in rep["nosync"] if d["action"] == "demoted"]
     assert demoted and all("identity" not in json.dumps(d) for d in demoted)
+
+
+def test_check_request_does_not_count_an_entry_a_demotion_killed():
+    """Site A stays hoisted while site B (a guidance buffer written in place) is demoted: the only
+    entry with A's value False also held B's check, so it fails every later call. check_request
+    said ok for a request with A = False, and the call recompiled."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+
+    def step(x, cfg, g):
+        if cfg.any():
+            x = x * 2
+        return x + g.max().item()
+
+    f = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+    x, g = torch.randn(4, 3), torch.ones(4)
+    cfg_f, cfg_t = torch.zeros(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool)
+
+    def call(cfg):
+        rep = torchsync_pass.check_request(f, x, cfg, g, on_change="report")
+        before = counters["frames"]["ok"]
+        assert torch.equal(f(x, cfg, g), step(x, cfg, g))
+        return rep.ok, counters["frames"]["ok"] - before
+
+    call(cfg_f)
+    call(cfg_t)
+    for v in (2.0, 3.0):
+        g.fill_(v)
+        call(cfg_t)
+    assert any(d.reason.name == "LEAVES_CHANGE" for d in torchsync_pass.decisions())
+    g.fill_(1.0)
+    ok, compiled = call(cfg_f)
+    assert not (ok and compiled), "check_request said ok but the call recompiled"

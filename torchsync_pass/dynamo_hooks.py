@@ -653,12 +653,16 @@ def _groups() -> list:
 
 def entries_of(checks: list) -> list[list]:
     """``checks`` grouped by the cache entry (the guard group) each belongs to: what one entry
-    needs to pass at once. A check in no live group is left out."""
+    needs to pass at once. A check in no live group, or in an entry with a demoted site, is left
+    out."""
     ids = {id(c) for c in checks}
     out = []
     for group in _groups():
         members = [c for c in group.checks if id(c) in ids]
-        if members:
+        # an entry holding a demoted site's check fails every later call (the site went back to
+        # stock Dynamo): it serves nothing, whatever its other checks answer
+        if members and not any(getattr(getattr(c, "state", None), "demoted", None) is not None
+                               for c in group.checks):
             out.append(members)
     return out
 
