@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 
 import pytest
@@ -597,3 +598,37 @@ def test_check_request_does_not_count_an_entry_a_demotion_killed():
     g.fill_(1.0)
     ok, compiled = call(cfg_f)
     assert not (ok and compiled), "check_request said ok but the call recompiled"
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x):
+        return x * self.scale.item()
+
+
+@pytest.mark.parametrize("backend", ["name", "object"])
+def test_every_dynamo_reset_forgets_nosync_s_state_for_a_compiled_object_reused(backend):
+    """Dynamo records a backend for its reset only when ``torch.compile`` is called, and forgets
+    it at the reset: the same compiled module used across resets was reset once. After a second
+    reset a ``.data`` write (which ``_version`` does not see) served the stale hoisted value, and
+    released guard groups piled up."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    m = _Scaled()
+    be = "nosync" if backend == "name" else torchsync_pass.NosyncBackend({"codegen": "eager"})
+    step = torch.compile(m, backend=be, options={"codegen": "eager"}) if backend == "name" else \
+        torch.compile(m, backend=be)
+    x = torch.ones(2)
+    groups = []
+    with torch.no_grad():
+        for cycle in range(4):
+            assert torch.equal(step(x), m(x))
+            m.scale.data.fill_(m.scale.item() + 3.0)
+            torch._dynamo.reset()
+            assert torch.equal(step(x), m(x)), f"cycle {cycle}: stale after the reset"
+            gc.collect()
+            groups.append(len(dynamo_hooks._GROUPS))
+    assert groups[-1] <= groups[0], groups

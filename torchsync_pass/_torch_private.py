@@ -49,6 +49,7 @@ private name                                                     used by
 ``torch._dynamo.callback.callback_handler``                      :func:`watch_compiles`
 ``_frozen_importlib._find_and_load``                             :func:`watch_imports`
 ``_debug_get_cache_entry_list``, ``orig_code_map``               :func:`frame_runs_under_dynamo`
+``torch._dynamo.eval_frame.cached_backends``                      :func:`reset_with_dynamo`
 ``_get_cache_entries_for_region``, ``get_eval_frame_isolate_recompiles_id``
 (``_debug_get_cache_entry_list`` before torch 2.13)              :func:`compiled_entries`
 ``torch.autograd.profiler._is_profiler_enabled``                 :func:`profiler_enabled`
@@ -955,6 +956,22 @@ def watch_imports(on_start: Callable[[], None], on_end: Callable[[], None]) -> C
 
 _DYNAMO_DIR = os.path.join(os.path.dirname(torch.__file__), "_dynamo") + os.sep
 _EVAL_FRAME = _DYNAMO_DIR + "eval_frame.py"
+
+
+def reset_with_dynamo(backend: Any) -> None:
+    """Have ``torch._dynamo.reset()`` call ``backend.reset()``.
+
+    NOTE: Dynamo records a backend in ``eval_frame.cached_backends`` when ``torch.compile`` is
+    called, and empties that dict at every reset: a compiled object called again after a reset
+    (the same ``torch.compile(model)``) was reset once, and nosync's sites, memos and released
+    guard groups outlived every later reset (a ``.data`` write then served a stale hoisted value).
+    Called at every nosync compile.
+    """
+    from torch._dynamo import eval_frame
+
+    cache = getattr(eval_frame, "cached_backends", None)
+    if isinstance(cache, dict):
+        cache.setdefault(id(backend), backend)
 
 
 def compiled_entries(code: Any) -> tuple[Optional[int], int]:

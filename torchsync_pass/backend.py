@@ -176,6 +176,7 @@ class NosyncBackend:
         try:
             opts = _resolve(self.merged_options(kwargs.pop("options", None)))
             mode = kwargs.pop("mode", self.mode)
+            _torch_private.reset_with_dynamo(self)
             return _compile(gm, example_inputs, opts, mode, kwargs, self.compiled)
         except NosyncError as e:
             dynamo_hooks.raise_through_dynamo(e)
@@ -195,6 +196,7 @@ def nosync(gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Cal
     try:
         opts = _resolve(kwargs.pop("options", None))
         mode = kwargs.pop("mode", None)
+        _torch_private.reset_with_dynamo(nosync)
         return _compile(gm, example_inputs, opts, mode, kwargs, None)
     except NosyncError as e:
         dynamo_hooks.raise_through_dynamo(e)
