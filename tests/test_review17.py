@@ -632,3 +632,31 @@ def test_every_dynamo_reset_forgets_nosync_s_state_for_a_compiled_object_reused(
             gc.collect()
             groups.append(len(dynamo_hooks._GROUPS))
     assert groups[-1] <= groups[0], groups
+
+
+def test_profiler_chunks_shrink_to_a_bounded_number_of_events():
+    """A tight serving loop recorded up to a million profiler events a second: 20 s chunks held 4.4
+    million (8 GB). A chunk that held more than PROFILER_CHUNK_EVENTS makes the next one shorter in
+    proportion; a nearly empty one makes it twice as long, up to PROFILER_CHUNK_S."""
+    from torchsync_pass import counting
+
+    class _Fake:
+        def __init__(self, n):
+            self.n = n
+
+        def stop(self):
+            return [None] * self.n
+
+    session = counting._Session()
+    assert session._chunk_s == counting.PROFILER_CHUNK_MIN_S
+    seen = []
+    for n in (0, 0, 0, 4 * counting.PROFILER_CHUNK_EVENTS, 2 * counting.PROFILER_CHUNK_EVENTS,
+              counting.PROFILER_CHUNK_EVENTS // 2):
+        session._prof, session.profiling = _Fake(n), True
+        session._flush()
+        seen.append(session._chunk_s)
+    top = counting.PROFILER_CHUNK_S
+    assert seen[:3] == [min(top, counting.PROFILER_CHUNK_MIN_S * 2 ** k) for k in (1, 2, 3)]
+    assert seen[3] == pytest.approx(seen[2] / 4) and seen[4] == pytest.approx(seen[3] / 2)
+    assert seen[5] == seen[4]  # between a quarter and the bound: unchanged
+    assert top <= 1.0

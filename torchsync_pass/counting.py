@@ -1023,9 +1023,16 @@ def _attribute(stack: list[_Ev]) -> tuple[SiteKey, str, tuple | None, bool]:
 # --------------------------------------------------------------------------------------------
 # The process-wide session: one set of wrappers, one profiler, many (nested) counters
 # --------------------------------------------------------------------------------------------
-#: A profiler chunk is closed and digested after this many seconds (at the next intercepted
-#: sync), so a long run keeps a bounded trace in memory.
-PROFILER_CHUNK_S = 20.0
+#: A profiler chunk is closed and digested after at most this many seconds (at the next
+#: intercepted sync), so a long run keeps a bounded trace in memory.
+PROFILER_CHUNK_S = 1.0
+#: ... and a chunk's length adapts to the events it holds: the first lasts PROFILER_CHUNK_MIN_S;
+#: a chunk that held more than PROFILER_CHUNK_EVENTS makes the next one shorter in proportion,
+#: one that held fewer than a quarter of that makes it twice as long. NOTE: a serving loop of tiny
+#: steps records about 730 events a step (the Python tracer), up to 600,000 a second: 20 s of it
+#: were 4.4 million events, 8 GB to hold and 86 s to digest (review 17); about 2 KB an event.
+PROFILER_CHUNK_MIN_S = 0.25
+PROFILER_CHUNK_EVENTS = 100_000
 
 
 class _Session:
@@ -1033,7 +1040,8 @@ class _Session:
     while Dynamo compiles or modules import (millions of Python calls) it made explain on a tiny
     diffusers pipeline take minutes and 2-12 GB (importing diffusers under the tracer alone:
     100 s, 7.7 GB). So the profiler is stopped, its events digested, while Dynamo compiles a frame
-    and while a module loads, and a running chunk is digested every ``PROFILER_CHUNK_S`` seconds.
+    and while a module loads, and a running chunk is digested after at most ``PROFILER_CHUNK_S``
+    seconds (shorter where chunks hold many events: ``PROFILER_CHUNK_EVENTS``).
     It restarts at the next safe point (see :meth:`resume`); profiler-only syncs
     (``torch.equal(a, b)``, syncs inside ops) that run before then are not seen, while the method
     wrappers see theirs throughout. Reads made while compiling are ``compile_time``, not in
@@ -1048,6 +1056,7 @@ class _Session:
         self._unwatch: Callable[[], None] = _nothing
         self._paused = 0  # compiles in progress that stopped the profiler
         self._chunk_end = 0.0
+        self._chunk_s = PROFILER_CHUNK_MIN_S  # see PROFILER_CHUNK_EVENTS
         self.resume_pending = False
         self.active = False
         self.profiling = False
@@ -1157,7 +1166,7 @@ class _Session:
         if ok:
             self._prof = prof
             self.profiling = True
-            self._chunk_end = time.monotonic() + PROFILER_CHUNK_S
+            self._chunk_end = time.monotonic() + self._chunk_s
             for r in want:
                 r.profiled = True
         elif any(r.profiled for r in want):  # another profiler took over (one started inside)
@@ -1175,6 +1184,11 @@ class _Session:
         # counted code ends ours too, and what ours had recorded is gone
         cut = not _torch_private.profiler_enabled()
         raw = prof.stop()
+        n = len(raw) if isinstance(raw, (list, tuple)) else 0
+        if n > PROFILER_CHUNK_EVENTS:
+            self._chunk_s = max(PROFILER_CHUNK_MIN_S / 16, self._chunk_s * PROFILER_CHUNK_EVENTS / n)
+        elif n < PROFILER_CHUNK_EVENTS // 4:
+            self._chunk_s = min(PROFILER_CHUNK_S, self._chunk_s * 2)
         recs = [r for r in self._recs if r.want_profiler]
         for r in recs if cut else ():
             if CUT_NOTE not in r.notes:
