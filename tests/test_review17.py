@@ -660,3 +660,32 @@ def test_profiler_chunks_shrink_to_a_bounded_number_of_events():
     assert seen[3] == pytest.approx(seen[2] / 4) and seen[4] == pytest.approx(seen[3] / 2)
     assert seen[5] == seen[4]  # between a quarter and the bound: unchanged
     assert top <= 1.0
+
+
+def _kept_in_a_local(x, guidance):
+    g = guidance.max().item()
+    y = x * 2
+    print("", end="")  # a second graph break: g reaches the next resume function as a local
+    return y * g
+
+
+def _boxed(x, guidance):
+    g = guidance.max().item()
+    y = x * g
+    del x  # torch 2.13 passes the resume function's frame values boxed (__resume_frame_values)
+    return y
+
+
+@pytest.mark.parametrize("fn", [_kept_in_a_local, _boxed], ids=["local", "boxed"])
+def test_keep_nosync_guards_keeps_scalar_guards_wherever_the_value_travels(fn):
+    """Keeping the ``___stack*`` guards was not enough: a hoisted value stored in a local and carried
+    past a second break is guarded as ``g``, and torch 2.13 boxes frame values
+    (``__resume_frame_values[0]``); both were dropped and calls served the first value."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    f = torch.compile(fn, backend="nosync", options={
+        "codegen": "eager", "guard_filter_fn": torchsync_pass.keep_nosync_guards(torch.compiler.skip_all_guards_unsafe)})
+    x, buf = torch.ones(3), torch.ones(4)
+    for it, v in enumerate([1.0, 1.0, 2.0, 3.0, 4.0, 5.0]):
+        buf.fill_(v)
+        assert torch.equal(f(x, buf), fn(x, buf)), f"call {it}"

@@ -353,12 +353,23 @@ def keep_nosync_guards(guard_filter_fn: Callable[[list], list]) -> Callable[[lis
     return keep
 
 
+_SCALARS = (bool, int, float, complex)
+
+
 def _carried_value(entry: Any) -> bool:
-    """A guard on a value a graph break carried to the code after it (``___stack0``: the result of a
-    sync Dynamo made, one nosync left to it or demoted): dropped, the code after the break would
-    reuse the value it was compiled with (a demoted ``.item()`` served its old value)."""
+    """A guard on the value of a Python scalar of the frame (``___stack0``, a local ``g``, a boxed
+    ``__resume_frame_values[0]``): where the result of a sync lives once it crossed a graph break
+    (one nosync left to Dynamo or demoted, or a hoisted value the step kept in a local past a later
+    break). Dropped, the code after the break reused the value it was compiled with (a demoted
+    ``.item()`` served its old value; a hoisted one kept in a local too). A Python scalar argument
+    is such a local as well: its guard is kept, so a new value recompiles instead of being served
+    stale."""
     name = str(getattr(entry, "name", "") or "")
-    return name.startswith(("___stack", "L['___stack"))
+    if name.startswith(("___stack", "L['___stack", "__resume_frame_values", "L['__resume_frame_values")):
+        return True
+    return (str(getattr(entry, "guard_type", "")) in ("CONSTANT_MATCH", "EQUALS_MATCH")
+            and not getattr(entry, "is_global", True) and bool(getattr(entry, "has_value", False))
+            and type(getattr(entry, "value", None)) in _SCALARS)
 
 
 def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode: Optional[str]) -> Callable:

@@ -330,15 +330,17 @@ def build_report(
     script: str, args: list[str], outcome: _Outcome, counts: Any, funcs: list[CompiledFunction],
     decisions: list[Decision], notes: list[str], verification: list[dict] | None = None,
 ) -> dict[str, Any]:
-    # the last decision of each sync site (a cached tensor's decision is not a sync's: a demoted
-    # int() on the line of a cached tensor was tagged "cached")
-    latest = {d.site: d for d in decisions if d.action not in (Action.CACHED, Action.NOT_CACHED)}
+    # the last decision of each site; a counted sync is tagged with a sync's decision where its
+    # line has one (a cached tensor's is not a sync's: a demoted int() on the line of a cached
+    # tensor was tagged "cached")
+    latest = {d.site: d for d in decisions}
+    of_syncs = {k: d for k, d in latest.items() if d.action not in (Action.CACHED, Action.NOT_CACHED)}
     body = counts.to_json()
     sites = []
     for st in counts.sorted_sites():
         j = st.to_json()
         j["counted"] = True
-        d = _decision_for(st.site, latest)
+        d = _decision_for(st.site, of_syncs) or _decision_for(st.site, latest)
         j["nosync"] = None if d is None else _decision_mark(d)
         sites.append(j)
     # Every nosync decision gets a row, also where no sync ran (a hoisted site syncs only in its

@@ -393,7 +393,10 @@ def _run_checks(checks: list, fr: _Frame, report: RequestCheck) -> None:
             raised.setdefault(chk.state.site, Change(
                 chk.state.site, chk.state.source, None, tuple(s.value for s in specs.values()),
                 why=f"not computed: the hoisted cone raised on this request's inputs ({type(e).__name__}: "
-                    f"{e}); inputs of another shape, dtype or device than compiled recompile the frame"))
+                    f"{e}): it was traced for inputs of another shape, dtype or device, so the call is "
+                    "served by another cache entry (one compiled for such inputs, where the site may not "
+                    "be hoisted: with dynamic shapes a cone over a symbolic size is not) or recompiles; "
+                    "check_request cannot tell which"))
             continue
         asked.add(chk.state.site)
         report.syncs += int(synced)
