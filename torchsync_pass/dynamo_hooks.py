@@ -332,19 +332,29 @@ def _later_twins(tx: Any, inst: Any) -> int:
                and (pos := getattr(x, "positions", None)) is not None and (pos.lineno, pos.col_offset) == at)
 
 
+# (frame code, isolate_recompiles region) -> the compile ids of its compiles so far, in order
+_REGION_COMPILES: dict = {}
+_REGION_COMPILES_LOCK = threading.Lock()
+
+
 def _frame_compile_index(code: Any) -> tuple[int, int]:
-    """``(compiles of the frame before this one, region)``: the cache entries ``code`` has in the
-    ``isolate_recompiles`` region compiled in (each ``verify_loop`` mode, each isolated
-    ``torch.compile`` starts at 0), or Dynamo's compile count of the frame where torch cannot say."""
+    """``(compiles of the frame before this one, region)``, counted in the ``isolate_recompiles``
+    region compiled in (each ``verify_loop`` mode, each isolated ``torch.compile`` starts at 0):
+    the compiles nosync saw there, failed ones included (a frame whose trace raises, a clamp bound
+    the fake tensor refuses on torch 2.15, leaves no cache entry and is compiled again at every
+    call), and at least the cache entries the region holds."""
     from torch._guards import CompileContext
 
     from ._torch_private import compiled_entries
 
     entries, region = compiled_entries(code)
-    if entries is not None:
-        return entries, region
-    cid = CompileContext.current_compile_id()
-    return int(getattr(cid, "frame_compile_id", 0) or 0), region
+    cid = str(CompileContext.current_compile_id())
+    with _REGION_COMPILES_LOCK:
+        seen = _REGION_COMPILES.setdefault((code, region), [])
+        if cid not in seen:
+            seen.append(cid)
+        before = seen.index(cid)
+    return max(before, entries or 0), region
 
 
 def recompile_limit() -> int:
@@ -408,6 +418,8 @@ def reset() -> None:
     """Release every nosync guard (see release_guards) and re-arm the one-time warnings."""
     release_guards()
     _warned.clear()
+    with _REGION_COMPILES_LOCK:
+        _REGION_COMPILES.clear()  # compile ids start again after torch._dynamo.reset()
 
 
 def _stock(site: Optional[SyncSite], why_not: Any, run: Callable[[], Any]) -> Any:
