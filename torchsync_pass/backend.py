@@ -364,9 +364,6 @@ def _carried_value(entry: Any) -> bool:
     ``.item()`` served its old value; a hoisted one kept in a local too). A Python scalar argument
     is such a local as well: its guard is kept, so a new value recompiles instead of being served
     stale."""
-    name = str(getattr(entry, "name", "") or "")
-    if name.startswith(("___stack", "L['___stack", "__resume_frame_values", "L['__resume_frame_values")):
-        return True
     return (str(getattr(entry, "guard_type", "")) in ("CONSTANT_MATCH", "EQUALS_MATCH")
             and not getattr(entry, "is_global", True) and bool(getattr(entry, "has_value", False))
             and type(getattr(entry, "value", None)) in _SCALARS)

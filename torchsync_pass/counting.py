@@ -392,44 +392,35 @@ def _frame_line(frame: Any) -> int:
     it (the previous graph break's line), while the jump it precedes keeps the user's line. CPython
     gives a ``TO_BOOL`` and the jump that consumes it the same position, so taking the jump's line
     is exact for both.
+
+    NOTE [PRECALL lines]: the same on Python 3.11, where a call is ``PRECALL`` + ``CALL`` and a
+    specialised call of a builtin class (``bool(t)``, ``int(t)``: PRECALL_BUILTIN_CLASS) runs inside
+    ``PRECALL``: where Dynamo rebuilt the call after a graph break, ``PRECALL`` carries the previous
+    break's line and the ``CALL`` the user's (a recompiled resume function's ``bool(...)`` was
+    counted at the line of the ``int(pos)`` before it once specialised).
     """
     line = frame.f_lineno
     lasti = frame.f_lasti
-    if (_TO_BOOL is not None or _PRECALL is not None) and lasti >= 0:
+    if _SHIFTED and lasti >= 0:
         co = frame.f_code.co_code
-        if lasti < len(co) and _TO_BOOL is not None and co[lasti] == _TO_BOOL:
-            line = _to_bool_jump_line(frame.f_code, lasti) or line
-        elif lasti < len(co) and _PRECALL is not None and co[lasti] == _PRECALL:
-            line = _precall_call_line(frame.f_code, lasti) or line
+        nxt = _SHIFTED.get(co[lasti]) if lasti < len(co) else None
+        if nxt is not None:
+            line = _next_line(frame.f_code, lasti, nxt) or line
     return line or frame.f_code.co_firstlineno
 
 
-# NOTE [PRECALL lines]: on Python 3.11 a call is ``PRECALL`` + ``CALL``, and once CPython has
-# specialised a call of a builtin class (``bool(t)``, ``int(t)``: PRECALL_BUILTIN_CLASS) the call
-# runs inside ``PRECALL``. Where Dynamo rebuilt the call after a graph break, its ``PRECALL`` has
-# no source position of its own and carries the line of the instruction before it (the previous
-# break's line), while the ``CALL`` keeps the user's line: a recompiled resume function's
-# ``bool(...)`` was counted at the line of the ``int(pos)`` before it once specialised.
-_PRECALL = dis.opmap.get("PRECALL")  # Python 3.11 only
+# opcode that may carry another instruction's line -> the opnames of the instruction after it that
+# carries the user's (TO_BOOL exists from Python 3.13, PRECALL only on 3.11)
+_SHIFTED = {op: names for op, names in ((_TO_BOOL, _COND_JUMPS), (dis.opmap.get("PRECALL"), ("CALL",)))
+            if op is not None}
 
 
 @functools.lru_cache(maxsize=256)
-def _precall_call_line(code: Any, lasti: int) -> int | None:
-    """The line of the ``CALL`` that completes the ``PRECALL`` at ``lasti`` (None if none)."""
+def _next_line(code: Any, lasti: int, opnames: tuple) -> int | None:
+    """The line of the instruction right after ``lasti`` when it is one of ``opnames`` (else None)."""
     for ins in dis.get_instructions(code):
         if ins.offset > lasti:
-            if ins.opname == "CALL" and ins.positions is not None:
-                return ins.positions.lineno
-            return None
-    return None
-
-
-@functools.lru_cache(maxsize=256)
-def _to_bool_jump_line(code: Any, lasti: int) -> int | None:
-    """The line of the conditional jump right after the ``TO_BOOL`` at ``lasti`` (None if none)."""
-    for ins in dis.get_instructions(code):
-        if ins.offset > lasti:
-            if ins.opname in _COND_JUMPS and ins.positions is not None:
+            if ins.opname in opnames and ins.positions is not None:
                 return ins.positions.lineno
             return None
     return None

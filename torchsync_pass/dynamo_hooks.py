@@ -808,17 +808,14 @@ def leaf_getter(sources: list[str]) -> Callable[[Any, Any], tuple]:
         if m:
             counts[m.group(1)] = counts.get(m.group(1), 0) + 1
     shared = {prefix: f"_c{i}" for i, prefix in enumerate(p for p, n in counts.items() if n > 1)}
-    if not shared:
-        body = ", ".join(sources) + ("," if sources else "")
-        return eval(f"lambda L, G: ({body})", guard_env())  # noqa: S307 - sources are Dynamo guard expressions
     items = []
     for s in sources:
         m = _ITEM_SOURCE.match(s)
         items.append(f"{shared[m.group(1)]}[{m.group(2)}]" if m and m.group(1) in shared else s)
     lines = ["def get(L, G):"]
     lines += [f"    {name} = {prefix}" for prefix, name in shared.items()]
-    lines.append(f"    return ({', '.join(items)},)")
-    env = dict(guard_env())
+    lines.append(f"    return ({', '.join(items)}{',' if items else ''})")
+    env = guard_env()  # a fresh dict each call
     exec("\n".join(lines), env)  # noqa: S102 - sources are Dynamo guard expressions
     return env["get"]
 
