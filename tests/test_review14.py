@@ -70,14 +70,16 @@ def head_of_double(t):
     return (t * 2)[:4]
 
 
-def test_cached_view_made_inside_an_opaque_function_counts_its_storage():
-    # the slice's base is no node of the graph: counted as its 16 bytes, cached over the limit
+def test_cached_view_made_inside_an_opaque_function_is_not_cached():
+    # the slice's base is no node of the graph: counted as its 16 bytes, it was cached over the
+    # limit; since review 18 a user function kept whole is not cached at all (it may read Python
+    # state), so the 4 MB base is never held
     def step(x, table):
         return x + head_of_double(table)
 
     _run_with_a_1mib_cache(step, torch.arange(1 << 20, dtype=torch.float32))
     c = counters()
-    assert c["cached"] == 0 and c["not cached"] == 1, dict(c)
+    assert c["cached"] == 0, dict(c)
 
 
 def test_views_of_one_storage_counted_once():

@@ -180,6 +180,18 @@ def dispatched(node: fx.Node) -> Optional[tuple[list, list[fx.Node]]]:
     return out
 
 
+def user_kept_whole(node: fx.Node) -> bool:
+    """A call of a Python function from outside torch that Dynamo keeps whole in the graph
+    (``torch.compiler.allow_in_graph``): eager runs its body at every call, so it may read Python
+    state (a global, a dict entry, an object's attribute) that no leaf's identity or version tells
+    of; the graph holds what it read at trace time. torch's own (``torch.svd_lowrank``) are not."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, types.FunctionType):
+        return False
+    module = getattr(t, "__module__", None) or ""
+    return module.partition(".")[0] != "torch"
+
+
 def _unseen(node: fx.Node) -> bool:
     """A Python function kept whole whose ops :func:`dispatched` could not see."""
     return node.op == "call_function" and isinstance(node.target, types.FunctionType) and dispatched(node) is None
@@ -513,6 +525,10 @@ FREEZING_NOTE = ("; torch._inductor.config.freezing=True makes Dynamo pass the m
 def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
     name = _target_name(node)
     if node.op == "get_attr":
+        hop = next((u for u in node.users if u.op == "call_function"
+                    and _torch_private.is_higher_order_op(u.target)), None)
+        if hop is not None and not isinstance(_torch_private.example_value(node), torch.Tensor):
+            return Reason.SUBGRAPH, f"higher-order op {_target_name(hop)} (its subgraph {node.target!r})"
         # (a tensor constant, not a higher-order op's subgraph, while the trace's grad mode lets
         # freezing make module tensors constants)
         frozen = (isinstance(_torch_private.example_value(node), torch.Tensor)
@@ -525,6 +541,9 @@ def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
     t = node.target
     if _torch_private.is_higher_order_op(t):
         return Reason.SUBGRAPH, f"higher-order op {name}"
+    if user_kept_whole(node):
+        return Reason.IMPURE_OP, (f"{name}: a Python function kept whole in the graph (allow_in_graph); "
+                                  "it may read Python state that no leaf tells of")
     if is_random(node):
         return Reason.IMPURE_OP, f"random op {name}"
     if _unseen(node):

@@ -80,6 +80,11 @@ MAX_TABLE_LEN = 4096  # indices mirrored per request, at most
 _FROM_HOST: dict[str, Callable[[Any], Any]] = {"item": lambda v: v, "tolist": lambda v: v, "bool": bool, "int": int,
                                                "float": float, "index": operator.index}
 assert set(_FROM_HOST) == set(_CONVERT)
+# NOTE: torch's Tensor.__int__, __index__ and __bool__ convert through int64 and raise for a
+# uint64 value >= 2**63 (review 18); Python's int(), operator.index() and bool() of the .tolist()
+# value do not
+_UINT64 = getattr(torch, "uint64", None)
+_INT64_CHECKED = frozenset({"int", "index", "bool"})
 _SIZE_SOURCES = (".size()", ".stride()", ".storage_offset()", "__len__")
 
 
@@ -141,9 +146,11 @@ def evaluate_mirror(module: torch.fx.GraphModule, index_pos: int, kind: str, tab
     keys: list = [None] * n
     values: list = [None] * n
     convert = _FROM_HOST[kind]
-    for idx in groups.values():
+    for (_, dtype, _), idx in groups.items():
         host = torch.stack([outs[i] for i in idx]).tolist()  # the one sync
         for i, v in zip(idx, host):
+            if dtype is _UINT64 and kind in _INT64_CHECKED and v >= 1 << 63:
+                continue  # eager's int(t), index(t), bool(t) raise: leave them to eager
             try:
                 value = convert(v)
                 keys[i] = value_key(value)
