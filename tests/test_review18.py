@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 
 import pytest
 import torch
@@ -70,6 +71,87 @@ def test_cone_through_a_higher_order_op_names_it():
     assert "invoke_subgraph" in ds[0].detail or "higher-order op" in ds[0].detail, ds[0].detail
 
 
+def _solve(A, b):
+    return torch.linalg.solve(A, b) * 2  # 3 reads inside the op on torch 2.13 (CPU)
+
+
+def _profiler_reads(fn) -> int:
+    with torch.profiler.profile() as p:
+        fn()
+    return sum(1 for e in p.events() if e.name == "aten::_local_scalar_dense")
+
+
+def test_count_after_a_compile_restarts_at_the_next_compiled_call():
+    # the profiler stopped for the first call's compile restarted only at an intercepted tensor
+    # method (.item(), .to(), t[i], ...); a loop of compiled calls has none: the 9 warm calls'
+    # in-graph reads were not counted (0, no note) while a warm count gave 30
+    torch._dynamo.reset()
+    f = torch.compile(_solve, backend="eager")
+    A, b = torch.eye(3) * 2 + 0.1, torch.ones(3, 1)
+    per_call = _profiler_reads(lambda: _solve(A, b))
+    assert per_call > 0
+    with torchsync_pass.count_syncs() as c:
+        for _ in range(10):
+            f(A, b)
+    assert c.total == 9 * per_call, (c.total, c.notes)  # the compiling call's in-graph reads: not seen
+    with torchsync_pass.count_syncs() as warm:
+        for _ in range(10):
+            f(A, b)
+    assert warm.total == 10 * per_call and not warm.notes, (warm.total, warm.notes)
+
+
+def test_count_of_an_eager_training_loop_after_an_import(tmp_path, monkeypatch):
+    # the optimizer's first step imports a module (torch.profiler._cupti_monitor); the profiler,
+    # stopped for the import, never restarted (no intercepted method in the loop): 5 of 30 reads
+    # counted, no note. Here the first step imports a module of the test's own, as in a fresh
+    # process.
+    import importlib
+
+    (tmp_path / "review18_fresh_module.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(3, 3)
+
+        def forward(self, x, A):
+            return torch.linalg.solve(A, self.lin(x).T).sum()
+
+    A = torch.eye(3) * 2 + 0.1
+    xs = [torch.randn(2, 3) for _ in range(6)]
+
+    def loop():
+        m = M()
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        for i, x in enumerate(xs):
+            m(x, A).backward()
+            opt.step()
+            if i == 0:
+                sys.modules.pop("review18_fresh_module", None)
+                importlib.import_module("review18_fresh_module")
+            opt.zero_grad()
+
+    with torchsync_pass.count_syncs() as c:
+        loop()
+    assert c.total == _profiler_reads(loop) and c.total > 0, (c.total, c.notes)
+
+
+def test_count_says_when_the_profiler_stayed_off_to_the_end():
+    # after a compile, eager ops that read inside (no intercepted method, no compiled call):
+    # their reads cannot be counted, and the counter now says so
+    torch._dynamo.reset()
+    f = torch.compile(_solve, backend="eager")
+    A, b = torch.eye(3) * 2 + 0.1, torch.ones(3, 1)
+    with torchsync_pass.count_syncs() as c:
+        f(A, b)
+        t0 = __import__("time").monotonic()
+        while __import__("time").monotonic() - t0 < 0.05:
+            _solve(A, b)
+    assert any("no safe point" in n for n in c.notes), c.notes
+
+
 @pytest.mark.skipif(not hasattr(torch, "uint64"), reason="no uint64 dtype")
 @pytest.mark.parametrize("conv", [int, bool], ids=["int", "bool"])
 def test_lifted_uint64_entry_past_int64_raises_as_eager(conv):
@@ -101,3 +183,93 @@ def test_lifted_uint64_entry_past_int64_raises_as_eager(conv):
     got = run(lambda s: torch.compile(s.step, backend="nosync", options=EAGER))
     assert want[2] == ("raised", True), want
     assert got == want, (got, want)
+
+
+def test_nosync_error_under_suppress_errors_falls_back_as_any_backend_error():
+    # the re-raised NosyncOptionsError lacked TorchDynamoException's attributes: Dynamo's
+    # suppress_errors path read frame_exec_strategy and raised AttributeError
+    def step(x, s):
+        return x * s.item()
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    x, s = torch.ones(3), torch.tensor(2.0)
+    with torch._dynamo.config.patch(suppress_errors=True):
+        y = torch.compile(step, backend="nosync", options={"codgen": "eager"})(x, s)
+    assert_bitwise(y, step(x, s))
+
+
+def test_unique_under_capture_dynamic_output_shape_ops_then_a_sync():
+    # nosync ran torch.unique (a Python function kept whole) on fake inputs to see its ops; the
+    # fresh unbacked size it made in the trace's shape environment was never bound:
+    # PendingUnbackedSymbolNotFound, where stock runs
+    def step(x, tt):
+        u = torch.unique(tt)
+        return x * tt.sum().item() + u.numel()
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    tt, x = torch.tensor([0, 1, 3]), torch.ones(2)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        f = torch.compile(step, backend="nosync", options=EAGER)
+        for _ in range(2):
+            assert_bitwise(f(x, tt), step(x, tt))
+
+
+def test_every_mode_inductor_lists_is_accepted():
+    # the modes were a fixed list of four: torch 2.13's mode="lite" (stock accepts it) was refused
+    import torch._inductor
+
+    modes = list(torch._inductor.list_mode_options())
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    x, s = torch.ones(3), torch.tensor(2.0)
+    for mode in modes:
+        if "cudagraphs" in str(torch._inductor.list_mode_options(mode)):
+            continue  # CUDA graphs need CUDA inputs
+        f = torch.compile(lambda x, s: x * s.item(), backend=torchsync_pass.NosyncBackend(EAGER), mode=mode)
+        assert_bitwise(f(x, s), x * s.item())
+
+
+def test_inductor_settings_among_the_options_reach_every_inductor_compile(monkeypatch):
+    # options={"max_autotune": True} was refused with advice to patch torch._inductor.config
+    # "around the compile", which applies to no compile (they happen at calls); stock's options=
+    # takes Inductor's settings and applies them to every compile
+    from torchsync_pass import backend as nosync_backend
+
+    seen = []
+
+    def spy(gm, example_inputs, config_patches):
+        seen.append(dict(config_patches or {}))
+        return gm.forward
+
+    monkeypatch.setattr(nosync_backend._torch_private, "inductor_compile", spy)
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+
+    def step(x, s):
+        return x * s.item()
+
+    f = torch.compile(step, backend="nosync", options={"max_autotune": True, "epilogue_fusion": False})
+    for s in (torch.tensor(2.0), torch.tensor(3.0)):  # a new value: a recompile, the same settings
+        assert_bitwise(f(torch.ones(3), s), step(torch.ones(3), s))
+    assert len(seen) >= 2 and all(p.get("max_autotune") is True and p.get("epilogue_fusion") is False
+                                  for p in seen), seen
+    with pytest.raises(Exception, match="max_autotun'"):
+        torch.compile(step, backend="nosync", options={"max_autotun": True})(torch.ones(3), torch.tensor(2.0))
+
+
+def test_fullgraph_error_hint_fits_a_symbolic_cone():
+    # the hint said to declare the inputs invariant, which cannot help a cone with symbolic sizes
+    def step(x, tt):
+        if (tt == 2).any():
+            x = x + 1.0
+        return x * 2.0
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    f = torch.compile(step, backend="nosync", options={**EAGER, "invariant": ["tt"]}, fullgraph=True,
+                      dynamic=True)
+    with pytest.raises(Exception) as info:
+        f(torch.ones(3), torch.tensor([0, 2]))
+    assert "symbolic" in str(info.value) and "dynamic=False" in str(info.value), str(info.value)

@@ -16,6 +16,7 @@ private name                                                     used by
 ``torch._subclasses.fake_tensor.is_fake``                        :func:`is_fake`
 ``torch._subclasses.fake_tensor.unset_fake_temporarily``         :func:`no_fake_mode`
 ``FakeTensor.fake_mode``, ``TorchDispatchMode``                   :func:`dispatched_ops`
+``ShapeEnv.ignore_fresh_unbacked_symbols``                       :func:`dispatched_ops`
 ``torch._C._profiler._ExperimentalConfig(profile_all_threads=)``  :func:`all_threads_profiler_config`
 ``torch.fx.experimental.symbolic_shapes.guarding_hint_or_throw`` :func:`symint_hint`
 ``torch.fx.experimental.symbolic_shapes.free_symbols``           :func:`free_symbols`
@@ -30,6 +31,7 @@ private name                                                     used by
 ``torch._inductor.compile_fx.compile_fx``                        :func:`inductor_compile`
 ``fn._torchdynamo_orig_callable`` (a ``disable`` wrapper)         :func:`undisabled`
 ``torch._inductor.list_mode_options``                            :func:`inductor_mode_options`
+``torch._inductor.config.get_config_copy``                       :func:`inductor_config_names`
 ``torch._inductor.config.freezing``, ``torch._dynamo.config``    :func:`freezing_on`
 ``.prepare_freezing``
 ``torch._ops.OpOverload`` / ``OpOverloadPacket``                 :func:`is_op_overload`,
@@ -48,6 +50,7 @@ private name                                                     used by
 ``torch._C._profiler._RecordFunctionFast``                       :func:`profiler_range`
 ``torch._dynamo.callback.callback_handler``                      :func:`watch_compiles`
 ``_frozen_importlib._find_and_load``                             :func:`watch_imports`
+``torch._dynamo.eval_frame._callback_from_stance``               :func:`watch_compiled_calls`
 ``_debug_get_cache_entry_list``, ``orig_code_map``               :func:`frame_runs_under_dynamo`
 ``torch._dynamo.eval_frame.cached_backends``                      :func:`reset_with_dynamo`
 ``_get_cache_entries_for_region``, ``get_eval_frame_isolate_recompiles_id``
@@ -151,8 +154,13 @@ def dispatched_ops(fn: Callable, args: tuple, kwargs: dict,
                         storages.add(storage_id(t))
             return func(*a, **kw)
 
+    # NOTE: an op of data-dependent output size (torch.unique under
+    # capture_dynamic_output_shape_ops) makes a fresh unbacked symbol in the trace's shape
+    # environment, which Dynamo then expects the graph to bind ("PendingUnbackedSymbolNotFound")
+    shape_env = getattr(fake_mode, "shape_env", None)
+    ignore = getattr(shape_env, "ignore_fresh_unbacked_symbols", None)
     try:
-        with fake_mode:
+        with fake_mode, (ignore() if ignore is not None else contextlib.nullcontext()):
             copies = [x.clone() if is_fake(x) else x for x in flat]
             versions = [x._version if is_fake(x) else None for x in copies]
             # ``t.data = other`` swaps the storage without a version bump or an op
@@ -571,8 +579,17 @@ def snapshot_for_context(snapshots: tuple) -> Any:
     return snapshots[1] if torch._C._is_torch_function_all_disabled() else snapshots[0]
 
 
-def inductor_mode_options(mode: str) -> dict[str, Any]:
-    """The Inductor config patches that ``torch.compile(mode=mode)`` stands for."""
+def inductor_config_names() -> frozenset:
+    """The names ``torch._inductor.config.patch`` (and stock ``torch.compile(options=...)``) take,
+    dotted for nested ones (``"triton.cudagraphs"``)."""
+    import torch._inductor.config
+
+    return frozenset(torch._inductor.config.get_config_copy())
+
+
+def inductor_mode_options(mode: Optional[str]) -> dict[str, Any]:
+    """The Inductor config patches that ``torch.compile(mode=mode)`` stands for (``None``: every
+    mode's, by name)."""
     import torch._inductor
 
     return torch._inductor.list_mode_options(mode)
@@ -956,6 +973,37 @@ def watch_imports(on_start: Callable[[], None], on_end: Callable[[], None]) -> C
 
 _DYNAMO_DIR = os.path.join(os.path.dirname(torch.__file__), "_dynamo") + os.sep
 _EVAL_FRAME = _DYNAMO_DIR + "eval_frame.py"
+
+
+def watch_compiled_calls(on_call: Callable[[Any], None]) -> Callable[[], None]:
+    """Call ``on_call(frame)`` at each entry into a ``torch.compile``'d function or module from
+    Python, before Dynamo's frame evaluation is switched on for it (``frame``: the entry wrapper's
+    own frame, in eval_frame.py); return ``remove()``. Exceptions of ``on_call`` are logged.
+
+    NOTE: wraps ``torch._dynamo.eval_frame._callback_from_stance``, which the compiled callable's
+    wrapper (``_TorchDynamoContext.__call__``'s ``_fn``) looks up as a module global at every call
+    (torch 2.11 to 2.15; the enter and exit of Dynamo's context managers call it too).
+    """
+    from torch._dynamo import eval_frame
+
+    original = eval_frame._callback_from_stance
+
+    @functools.wraps(original)
+    def _callback_from_stance(callback: Any) -> Any:
+        try:
+            on_call(sys._getframe(1))
+        except Exception:
+            log.debug("torchsync_pass: compiled-call watcher failed", exc_info=True)
+        return original(callback)
+
+    eval_frame._callback_from_stance = _callback_from_stance
+    skip_frames_in_dynamo([_callback_from_stance])
+
+    def remove() -> None:
+        if eval_frame._callback_from_stance is _callback_from_stance:
+            eval_frame._callback_from_stance = original
+
+    return remove
 
 
 def reset_with_dynamo(backend: Any) -> None:

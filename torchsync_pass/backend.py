@@ -33,6 +33,14 @@ CODEGENS = ("inductor", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def valid_modes() -> tuple[str, ...]:
+    """The ``mode=`` values this torch's Inductor knows (``"lite"`` on torch 2.13), else MODES."""
+    try:
+        return tuple(_torch_private.inductor_mode_options(None)) or MODES
+    except Exception:
+        return MODES
+
+
 @dataclass(frozen=True)
 class Options:
     """Validated ``options=`` of ``torch.compile(backend="nosync")``."""
@@ -45,6 +53,9 @@ class Options:
     cudagraphs: bool = False
     invariant_cache_bytes: Optional[int] = None  # None: DEFAULT_CACHE_BYTES with codegen="eager", 0 (off) with Inductor
     select_branches: bool = True  # a step-varying branch between tensors: both arms run, torch.where selects
+    # Inductor's own settings given among the options, as stock's options= takes them
+    # (``{"max_autotune": True}``): ((name, value), ...), applied to every Inductor compile
+    inductor: tuple = ()
 
     @classmethod
     def from_dict(cls, options: Optional[dict]) -> "Options":
@@ -57,16 +68,21 @@ class Options:
                 f"nosync: options must be a dict, got {type(options).__name__}"
             )
         valid = {f: cls.__dataclass_fields__[f] for f in cls.__dataclass_fields__}
-        unknown = sorted(set(options) - set(valid), key=repr)  # keys of any type: a stray 1 beside a typo
+        known_to_inductor = _torch_private.inductor_config_names()
+        inductor = {k: v for k, v in options.items() if k not in valid and k in known_to_inductor}
+        unknown = sorted(set(options) - set(valid) - set(inductor), key=repr)  # a stray 1 beside a typo
         if unknown:
             raise NosyncOptionsError(
                 f"nosync: unknown option(s) {', '.join(map(repr, unknown))}; "
-                f"valid options are: {', '.join(valid)} (Inductor's own settings go through "
-                "torch._inductor.config.patch(...) around the compile, or mode=...)"
+                f"valid options are: {', '.join(v for v in valid if v != 'inductor')}, and Inductor's "
+                "settings (torch._inductor.config names such as 'max_autotune')"
             )
         kw: dict[str, Any] = {}
         for name, value in options.items():
-            kw[name] = _check(name, value)
+            if name not in inductor:
+                kw[name] = _check(name, value)
+        if inductor:
+            kw["inductor"] = tuple(sorted({**dict(kw.get("inductor", ())), **inductor}.items()))
         return cls(**kw)
 
 
@@ -94,6 +110,10 @@ def _check(name: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad("an int >= 1")
         return value
+    if name == "inductor":  # ((name, value), ...) carried over by NosyncBackend.merged_options
+        if not isinstance(value, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in value):
+            raise bad("Inductor settings as ((name, value), ...); pass them as plain options instead")
+        return value
     if name == "invariant_cache_bytes":
         if value is None:
             return value
@@ -104,6 +124,7 @@ def _check(name: str, value: Any) -> Any:
 
 
 _FORCED: dict[str, Any] = {}
+_WARNED_INDUCTOR_UNUSED: list = []  # once per process
 
 
 @contextlib.contextmanager
@@ -251,10 +272,14 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
              extra: dict, record: Optional[list]) -> Callable:
     if extra:
         log.warning("nosync: ignoring unknown backend keyword argument(s): %s", ", ".join(sorted(extra)))
-    if mode is not None and mode not in MODES:
-        raise NosyncOptionsError(f"nosync: unknown mode {mode!r}; valid modes are: {', '.join(MODES)}")
+    if mode is not None and mode not in valid_modes():
+        raise NosyncOptionsError(f"nosync: unknown mode {mode!r}; valid modes are: {', '.join(valid_modes())}")
     _refuse_saved_frames()
     _warn_frozen(gm, opts)
+    if opts.inductor and opts.codegen == "eager" and not _WARNED_INDUCTOR_UNUSED:
+        _WARNED_INDUCTOR_UNUSED.append(True)
+        log.warning("nosync: Inductor settings %s are not used with codegen='eager'",
+                    ", ".join(name for name, _ in opts.inductor))
     if dynamo_hooks.backend_hidden():
         _hidden_backend(opts)
     elif dynamo_hooks.installed_while_tracing():
@@ -379,6 +404,7 @@ def _codegen(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     patches: dict[str, Any] = {}
     if mode is not None and mode != "default":
         patches.update(_torch_private.inductor_mode_options(mode))
+    patches.update(opts.inductor)
     if opts.cudagraphs:
         # NOTE: the cached tensors would be non-static inputs of the CUDA graph, copied into its
         # buffers at every replay: the whole graph is captured instead (no invariant caching).

@@ -558,7 +558,8 @@ _ALWAYS = {
     "equal": "equal",
     "masked_select": "masked_select",
 }
-_PATCHED = [*_ALWAYS, "cpu", "to", "__getitem__", "__setitem__"]
+# (backward: no sync of its own, a safe point to restart the profiler in a training loop)
+_PATCHED = [*_ALWAYS, "cpu", "to", "__getitem__", "__setitem__", "backward"]
 
 
 def _record(kind: str, self: torch.Tensor, out: Any, frame: Any) -> None:
@@ -1049,6 +1050,7 @@ class _Session:
         self._chunk_end = 0.0
         self._chunk_s = PROFILER_CHUNK_MIN_S  # see PROFILER_CHUNK_EVENTS
         self.resume_pending = False
+        self._pending_since = 0.0  # when the profiler last stopped waiting for a safe point
         self.active = False
         self.profiling = False
         self.accelerator = False
@@ -1074,6 +1076,10 @@ class _Session:
 
     def exit(self, rec: SyncCounts) -> None:
         with self._lock:
+            gap = time.monotonic() - self._pending_since
+            if (rec.want_profiler and rec.profiled and self.resume_pending and not self._paused
+                    and gap > GAP_NOTE_S):
+                rec.notes.append(GAP_NOTE.format(gap=gap))
             self._flush()
             self._recs.remove(rec)
             if not self._recs:
@@ -1094,6 +1100,11 @@ class _Session:
             except Exception:
                 log.warning("torchsync_pass: could not watch %s; the profiler stays on during them "
                             "(slow, memory-hungry on large programs)", what, exc_info=True)
+        try:  # each call of a compiled function is a safe point too (see resume)
+            removers.append(_torch_private.watch_compiled_calls(self.at_safe_point))
+        except Exception:
+            log.warning("torchsync_pass: could not watch calls of compiled functions; after a compile "
+                        "the profiler restarts only at an intercepted tensor method", exc_info=True)
 
         self._unwatch = lambda: [remove() for remove in removers]
 
@@ -1112,6 +1123,7 @@ class _Session:
             if self._paused:
                 self._paused -= 1
                 self.resume_pending = not self._paused
+                self._pending_since = time.monotonic()
 
     def resume(self, frame: Any) -> None:
         """Restart the paused profiler, if ``frame`` is a safe point.
@@ -1135,6 +1147,16 @@ class _Session:
                 self.resume_pending = False
                 self._restart()
 
+    def at_safe_point(self, frame: Any) -> None:
+        """A call that may restart the paused profiler (a compiled function's entry, ``backward``):
+        restart it, or digest an old chunk, where ``frame`` is safe."""
+        if not self.active:
+            return
+        if self.resume_pending:
+            self.resume(frame)
+        else:
+            self.maybe_rotate(frame)
+
     def maybe_rotate(self, frame: Any) -> None:
         """Digest the running profiler chunk when it is older than ``PROFILER_CHUNK_S``."""
         if self.profiling and time.monotonic() > self._chunk_end:
@@ -1142,6 +1164,7 @@ class _Session:
                 if self.profiling and not self._paused:
                     self._flush()
                     self.resume_pending = True
+                    self._pending_since = time.monotonic()
             self.resume(frame)
 
     def _restart(self) -> None:
@@ -1203,6 +1226,13 @@ class _Session:
             r.cuda.by_site.update(cuda.by_site)
 
 
+#: the profiler stayed off this long (seconds) before the end of a count: say so
+GAP_NOTE_S = 0.01
+GAP_NOTE = (
+    "the profiler stopped for a compile, an import or a chunk's digest and no safe point to restart it came "
+    "in the last {gap:.2f} s of the counted code (no intercepted tensor method, backward() or compiled "
+    "function call outside compiled code): syncs only the profiler sees (torch.equal(a, b), syncs inside ops "
+    "and compiled graphs) in that time are not counted")
 CUT_NOTE = (
     "a profiler session started inside the counted code (torch.profiler.profile, "
     "torch.autograd.profiler.profile) stopped the counter's own for a while: syncs only the profiler sees "

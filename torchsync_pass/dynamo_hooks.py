@@ -828,11 +828,17 @@ def unsupported(site: SyncSite, message: str) -> None:
         gb_type="nosync: sync could not be hoisted",
         context=f"{site.file}:{site.line}: {site.source_line}",
         explanation=message,
-        hints=[
-            "Declare the request-invariant inputs with options={'invariant': [...]}, "
-            "or move the sync out of the compiled step.",
-        ],
+        hints=[_hint_for(message)],
     )
+
+
+def _hint_for(message: str) -> str:
+    """What may let nosync hoist the sync, by the reason it did not."""
+    if "symbolic" in message:  # declaring changes nothing: the cone has no concrete sizes to run at
+        return ("Compile with dynamic=False (or torch._dynamo.mark_static on the input) so the sync's "
+                "inputs have concrete sizes, or move the sync out of the compiled step.")
+    return ("Declare the request-invariant inputs with options={'invariant': [...]}, "
+            "or move the sync out of the compiled step.")
 
 
 _PASSTHROUGH: dict[type, type] = {}
@@ -855,7 +861,7 @@ def raise_through_dynamo(exc: BaseException) -> "NoReturn":
     the error was found. Exceptions deriving from ``ShortenTraceback`` pass through both paths
     unchanged; re-raise ``exc`` as a subclass of both its own type and that one.
     """
-    from torch._dynamo.exc import ShortenTraceback
+    from torch._dynamo.exc import ShortenTraceback, TorchDynamoException
 
     cls = type(exc)
     sub = _PASSTHROUGH.get(cls)
@@ -864,6 +870,10 @@ def raise_through_dynamo(exc: BaseException) -> "NoReturn":
         _PASSTHROUGH[cls] = sub
     new = sub.__new__(sub, *exc.args)
     Exception.__init__(new, *exc.args)
+    # the attributes TorchDynamoException.__init__ sets (frame_exec_strategy: Dynamo reads it where
+    # config.suppress_errors turns the error into a skipped frame; missing, it raised AttributeError)
+    for name, value in vars(TorchDynamoException()).items():
+        new.__dict__.setdefault(name, value)
     new.first_useful_frame = None
     raise new.with_traceback(exc.__traceback__) from exc.__cause__
 
