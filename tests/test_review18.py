@@ -259,6 +259,109 @@ def test_inductor_settings_among_the_options_reach_every_inductor_compile(monkey
         torch.compile(step, backend="nosync", options={"max_autotun": True})(torch.ones(3), torch.tensor(2.0))
 
 
+def test_unrolled_loop_records_each_hoisted_value():
+    # one record per (compile, offset, kind): an unrolled loop hoisting True, False, True, False at
+    # one offset was reported as one "hoisted bool = True"
+    def step(x, flags):
+        for i in range(4):
+            if flags[i] > 0:
+                x = x + i
+        return x
+
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    f = torch.compile(step, backend="nosync", options=EAGER)
+    flags = torch.tensor([1, 0, 1, 0])
+    assert_bitwise(f(torch.zeros(2), flags), step(torch.zeros(2), flags))
+    values = {d.value for d in torchsync_pass.decisions() if d.action.value == "hoisted"}
+    assert values == {"True", "False"}, values
+
+
+SAMPLER = '''
+import torch
+
+def sample(logits, temperature, gens):
+    t = temperature.item()  # SITE item
+    probs = (logits / t).softmax(-1)
+    out = []
+    for b in range(logits.shape[0]):
+        out.append(torch.multinomial(probs[b], 1, generator=gens[b]))  # SITE break
+    return torch.cat(out)
+
+f = torch.compile(sample, backend="nosync", options={"codegen": "eager"})
+temperature = torch.tensor(0.7)
+gens = [torch.Generator().manual_seed(i) for i in range(2)]
+with torch.no_grad():
+    for step in range(3):
+        f(torch.randn(2, 8), temperature, gens)
+'''
+
+
+def test_explain_discards_decisions_of_a_compile_dynamo_gave_up_on(tmp_path, capsys):
+    # Dynamo skipped the frame (a Generator argument in a loop), so the .item() synced on every
+    # call; explain tagged it "hoisted", and tagged the generator's break [sync] because
+    # multinomial reads inside on that line
+    import json
+
+    from torchsync_pass import explain
+
+    script = tmp_path / "sampler.py"
+    script.write_text(SAMPLER)
+    lines = SAMPLER.splitlines()
+    item_line = next(i for i, l in enumerate(lines, 1) if "SITE item" in l)
+    break_line = next(i for i, l in enumerate(lines, 1) if "SITE break" in l)
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    rc = explain.main(["--json", str(script)])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    (row,) = [s for s in rep["sites"] if s["line"] == item_line]
+    assert row["count"] == 3 and row["nosync"] is None, row
+    hoisted = [d for d in rep["nosync"] if d["action"] == "hoisted"]
+    assert hoisted and all(d.get("discarded") for d in hoisted), rep["nosync"]
+    (cf,) = rep["compiled"]
+    assert cf["graphs"] == 0
+    breaks = [b for b in cf["graph_breaks"] if b["line"] == break_line]
+    assert breaks and not any(b["sync"] for b in breaks), cf["graph_breaks"]
+
+
+KEPT_BESIDE_REWRITE = '''
+import torch
+import torchsync_pass
+
+table = torch.linspace(1.0, 0.01, 1000)
+
+def step(x, t):
+    prev = t - 100
+    a = table[prev] if prev >= 0 else torch.tensor(1.0)  # SITE
+    return x * a
+
+f = torch.compile(step, backend=torchsync_pass.NosyncBackend({"codegen": "eager"}))
+for req in range(2):
+    x = torch.ones(4)
+    for t in torch.arange(999, -1, -100):
+        x = f(x, t)
+'''
+
+
+def test_explain_tags_a_sync_row_with_a_decision_of_its_own_kind(tmp_path, capsys):
+    # the bool() row of a demoted (then kept) branch showed the line's last record: "cached", and
+    # with that fixed, "rewritten" (the index read on the same line, another kind)
+    import json
+
+    from torchsync_pass import explain
+
+    script = tmp_path / "kept.py"
+    script.write_text(KEPT_BESIDE_REWRITE)
+    line = next(i for i, l in enumerate(KEPT_BESIDE_REWRITE.splitlines(), 1) if "# SITE" in l)
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    assert explain.main(["--json", str(script)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    rows = [s for s in rep["sites"] if s["line"] == line and s["counted"]]
+    assert rows and all(r["nosync"]["action"] in ("kept", "demoted", "rejected") for r in rows), rows
+
+
 def test_fullgraph_error_hint_fits_a_symbolic_cone():
     # the hint said to declare the inputs invariant, which cannot help a cone with symbolic sizes
     def step(x, tt):

@@ -82,6 +82,7 @@ class CompiledFunction:
     compiles: list = field(default_factory=list)  # compile ids
     recompiles: list = field(default_factory=list)  # (compile id, reason)
     failures: list = field(default_factory=list)
+    failed: set = field(default_factory=set)  # compile ids Dynamo gave up on (no cache entry)
     breaks: list = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -227,6 +228,7 @@ def _group(metrics: list[Any], breaks: list[GraphBreak]) -> list[CompiledFunctio
             cf.recompiles.append((cid, (m.recompile_reason or "").strip()))
         if m.fail_reason:
             cf.failures.append(f"{m.fail_type}: {m.fail_reason}".strip())
+            cf.failed.add(cid)
     for b in breaks:
         cf = by_cid.get(b.compile_id or "")
         if cf is None:  # unknown compile: put it with a function of the same file
@@ -319,7 +321,11 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _mark_sync_breaks(funcs: list[CompiledFunction], sites: list[SiteKey]) -> None:
+def _mark_sync_breaks(funcs: list[CompiledFunction], sites: list[SiteKey], counts: Any = None) -> None:
+    # a sync counted on the break's line tells of a sync break, except one only inside an op
+    # (Dynamo never breaks for those: multinomial's own read beside a break for its generator)
+    if counts is not None:
+        sites = [k for k in sites if set(counts.sites[k].kinds) - {"in_op"}] if hasattr(counts, "sites") else sites
     for cf in funcs:
         for b in cf.breaks:
             at_site = any(s.line == b.line and _same_file(s.file, b.file) for s in sites)
@@ -333,14 +339,27 @@ def build_report(
     # the last decision of each site; a counted sync is tagged with a sync's decision where its
     # line has one (a cached tensor's is not a sync's: a demoted int() on the line of a cached
     # tensor was tagged "cached")
+    # decisions of a compile Dynamo then gave up on (the frame ran uncompiled, or fullgraph raised)
+    # describe no code that ran: listed as discarded, never on a site's row
+    failed = set().union(*(cf.failed for cf in funcs)) if funcs else set()
+    discarded = [d for d in decisions if d.compile_id in failed]
+    decisions = [d for d in decisions if d.compile_id not in failed]
     latest = {d.site: d for d in decisions}
-    of_syncs = {k: d for k, d in latest.items() if d.action not in (Action.CACHED, Action.NOT_CACHED)}
+    # (filtered before taking the last: a demoted sync whose site's last record is a cached tensor)
+    of_syncs = {d.site: d for d in decisions if d.action not in (Action.CACHED, Action.NOT_CACHED)}
+    # and of those, one of the row's own kind first (a kept bool() beside a rewritten index on its line)
+    of_kind: dict[str, dict[SiteKey, Decision]] = {}
+    for d in decisions:
+        if d.action not in (Action.CACHED, Action.NOT_CACHED):
+            of_kind.setdefault(d.kind, {})[d.site] = d
     body = counts.to_json()
     sites = []
     for st in counts.sorted_sites():
         j = st.to_json()
         j["counted"] = True
-        d = _decision_for(st.site, of_syncs) or _decision_for(st.site, latest)
+        d = next((found for k, _ in st.kinds.most_common()
+                  for found in [_decision_for(st.site, of_kind.get(k, {}))] if found is not None), None)
+        d = d or _decision_for(st.site, of_syncs) or _decision_for(st.site, latest)
         j["nosync"] = None if d is None else _decision_mark(d)
         sites.append(j)
     # Every nosync decision gets a row, also where no sync ran (a hoisted site syncs only in its
@@ -357,7 +376,7 @@ def build_report(
         "totals": body["totals"],
         "sites": sites,
         "compiled": [cf.to_json() for cf in funcs],
-        "nosync": [d.to_json() for d in decisions],
+        "nosync": [d.to_json() for d in decisions] + [{**d.to_json(), "discarded": True} for d in discarded],
         "verification": verification,
         "cuda": body["cuda"],
         "notes": body["notes"] + notes,
@@ -517,7 +536,9 @@ def render_text(rep: dict[str, Any], max_sites: int = 40) -> str:
         out.append(_no_decisions_line(rep))
     for d in rep["nosync"]:
         val = f" = {d['value']}" if d.get("value") else ""
-        out.append(f"  {_rel(d['site']['file'])}:{d['site']['line']}: {d['action']} {d['kind']}{val}")
+        gone = (f" [discarded: Dynamo gave up on compile {d.get('compile_id')}; nothing of it ran]"
+                if d.get("discarded") else "")
+        out.append(f"  {_rel(d['site']['file'])}:{d['site']['line']}: {d['action']} {d['kind']}{val}{gone}")
         out.append(f"      {d['reason_text']}{' (' + d['detail'] + ')' if d.get('detail') else ''}")
     if rep.get("verification") is not None:
         out.append("")
@@ -647,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         f for f in watcher.stop()
         if not counting._is_internal_file(f.file) and not counting._is_internal_file(os.path.abspath(f.file))
     ]
-    _mark_sync_breaks(funcs, list(counter.sites))
+    _mark_sync_breaks(funcs, list(counter.sites), counter)
     notes = [watcher.note] if watcher.note else []
     verification = None
     if ns.verify:

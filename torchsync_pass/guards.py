@@ -87,7 +87,11 @@ def value_key(v: Any) -> Any:
         return (list, tuple(value_key(x) for x in v))
     if t in (bool, int):
         return (t, v)
-    raise TypeError(f"cannot hoist a value of type {t.__name__}")
+    raise UnhoistableValue(f"value of type {t.__name__}")
+
+
+class UnhoistableValue(TypeError):
+    """:func:`value_key` of a value nosync does not hoist (complex, a tuple, ...)."""
 
 
 def _hoistable(v: Any, depth: int = 0) -> bool:
@@ -618,8 +622,10 @@ def _record(state: SiteState, action: Action, reason: Reason, detail: str = "", 
         leaves=leaves,
         compile_id=compile_id or "",
     )
-    # Dynamo restarted the trace: do not count the same decision twice
-    record_decision(d, once=None if compile_id is None else (compile_id, state.code, state.offset, state.kind, action))
+    # Dynamo restarted the trace: do not count the same decision twice (but a loop Dynamo unrolls
+    # asks at one offset once per iteration: each distinct value is a record of its own)
+    record_decision(d, once=None if compile_id is None else (compile_id, state.code, state.offset, state.kind,
+                                                             action, d.value))
 
 
 def record_decision(d: Decision, once: Optional[tuple] = None) -> None:
@@ -719,6 +725,8 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     bits = bits_state()
     try:
         entry, _ = cone.current(leaves, cone.memo_for(bits))
+    except UnhoistableValue as e:  # evaluated fine: a value nosync cannot key (a complex .item())
+        return _reject(state, Reason.UNSUPPORTED_VALUE, str(e), compile_id)
     except Exception as e:
         return _reject(state, Reason.EVAL_FAILED, f"{type(e).__name__}: {e}", compile_id)
     value = entry.value

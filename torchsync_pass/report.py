@@ -61,7 +61,9 @@ class Reason(enum.Enum):
         "a leaf is a value an earlier graph of this frame computed and handed across a graph break: "
         "new on every call, never speculated"
     )
-    TABLE_INDEX_OUTSIDE = "the table index is outside the tables (evaluated as eager: same error)"
+    TABLE_INDEX_OUTSIDE = ("the tables give no answer to hoist at this index: it is outside them, or the answer "
+                           "there is one eager raises for or nosync does not hoist (a complex value); left to "
+                           "eager (the same answer or error)")
     TABLE_STEP_VARYING = "the table answer varies with the index: more distinct answers than max_specializations"
     TABLE_TOO_LARGE = "the tables are too long to mirror on the host"
     NO_SOURCE = "a leaf has no guardable source (created inside the step)"
@@ -108,7 +110,9 @@ class Reason(enum.Enum):
     RECOMPILE_BUDGET = "its frame used up the recompile budget; compiled the stock way from now on"
     # CACHED / NOT_CACHED (tensors, not syncs)
     INVARIANT_TENSOR = ("computed only from request-invariant inputs through pure ops: once per request "
-                        "(again on each call whose inputs were written in place)")
+                        "(again on each call whose inputs are new tensors or were written in place; an input "
+                        "speculated invariant because a hoisted sync read it, such as a timestep, may be new "
+                        "at every step until that sync is demoted)")
     CACHE_BYTES = "does not fit in options['invariant_cache_bytes']: recomputed every step"
     # REWRITTEN / KEPT (rewrite.py: reads used only as an index)
     INDEX_TENSOR = "used only as an index into a tensor: traced as a device-side gather (aten.index), no host read"
