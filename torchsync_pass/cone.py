@@ -35,6 +35,7 @@ Cone module::
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import operator
@@ -155,7 +156,7 @@ def dispatched(node: fx.Node) -> Optional[tuple[list, list[fx.Node]]]:
     fake copies of its inputs' example values (cached on the node). None for any other node, and
     for a call that could not be run so (:func:`_impure_reason` then refuses it)."""
     t = node.target
-    if node.op != "call_function" or not isinstance(t, types.FunctionType):
+    if node.op != "call_function" or not kept_whole_callable(t):
         return None
     if "nosync_dispatched" in node.meta:
         return node.meta["nosync_dispatched"]
@@ -186,15 +187,30 @@ def user_kept_whole(node: fx.Node) -> bool:
     state (a global, a dict entry, an object's attribute) that no leaf's identity or version tells
     of; the graph holds what it read at trace time. torch's own (``torch.svd_lowrank``) are not."""
     t = node.target
-    if node.op != "call_function" or not isinstance(t, types.FunctionType):
+    if node.op != "call_function" or not kept_whole_callable(t):
         return False
-    module = getattr(t, "__module__", None) or ""
+    owner = t if isinstance(t, (types.FunctionType, types.MethodType)) else type(t)
+    module = getattr(owner, "__module__", None) or ""
     return module.partition(".")[0] != "torch"
+
+
+def kept_whole_callable(t: Any) -> bool:
+    """Is ``t`` Python code a graph calls whole: a function, a bound method (a classmethod too), or
+    an object with ``__call__`` (review 18: a method or callable object passed to allow_in_graph
+    was neither refused nor run on fake inputs to see its writes). Not an op, a higher-order op,
+    a builtin (torch's C functions, ``operator``'s) or a class."""
+    if isinstance(t, (types.FunctionType, types.MethodType)):
+        return True
+    if isinstance(t, (types.BuiltinFunctionType, types.BuiltinMethodType, type, functools.partial)):
+        return False
+    if _torch_private.is_op_overload(t) or _torch_private.is_op_packet(t) or _torch_private.is_higher_order_op(t):
+        return False
+    return callable(t) and isinstance(getattr(type(t), "__call__", None), types.FunctionType)
 
 
 def _unseen(node: fx.Node) -> bool:
     """A Python function kept whole whose ops :func:`dispatched` could not see."""
-    return node.op == "call_function" and isinstance(node.target, types.FunctionType) and dispatched(node) is None
+    return node.op == "call_function" and kept_whole_callable(node.target) and dispatched(node) is None
 
 
 def _seeded(op: Any) -> bool:
@@ -525,10 +541,13 @@ FREEZING_NOTE = ("; torch._inductor.config.freezing=True makes Dynamo pass the m
 def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
     name = _target_name(node)
     if node.op == "get_attr":
-        hop = next((u for u in node.users if u.op == "call_function"
-                    and _torch_private.is_higher_order_op(u.target)), None)
-        if hop is not None and not isinstance(_torch_private.example_value(node), torch.Tensor):
-            return Reason.SUBGRAPH, f"higher-order op {_target_name(hop)} (its subgraph {node.target!r})"
+        # a subgraph or an opaque function (nonstrict_trace's) that a call takes: not a tensor
+        owner = node.graph.owning_module
+        attr = getattr(owner, node.target, None) if isinstance(node.target, str) and owner is not None else None
+        caller = next((u for u in node.users if u.op == "call_function"), None)
+        if (caller is not None and not isinstance(_torch_private.example_value(node), torch.Tensor)
+                and not isinstance(attr, torch.Tensor) and (attr is None or callable(attr))):
+            return Reason.SUBGRAPH, f"{_target_name(caller)} calls {node.target!r} (a subgraph or opaque function)"
         # (a tensor constant, not a higher-order op's subgraph, while the trace's grad mode lets
         # freezing make module tensors constants)
         frozen = (isinstance(_torch_private.example_value(node), torch.Tensor)
