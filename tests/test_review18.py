@@ -446,3 +446,44 @@ def test_data_write_inside_a_method_kept_whole_is_seen():
     for _ in range(3):
         assert_bitwise(f(torch.ones(3), mine), step(torch.ones(3), ref))
         assert_bitwise(mine, ref)
+
+
+_LIB = torch.library.Library("nosync_review18", "DEF")
+_LIB.define("cache_write(Tensor(a!) cache, Tensor slots, Tensor vals) -> ()")
+
+
+def _cache_write_kernel(cache, slots, vals):
+    cache.numpy()[slots.numpy()] = vals.numpy()  # as a C++ kernel writes: no version bump
+
+
+_LIB.impl("cache_write", _cache_write_kernel, "CPU")
+_LIB.impl("cache_write", lambda cache, slots, vals: None, "Meta")
+
+
+class _PagedAttn(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("kc", torch.zeros(8, 2))
+
+    def forward(self, q, slots, k):
+        torch.ops.nosync_review18.cache_write(self.kc, slots, k)
+        torch._dynamo.graph_break()
+        K = self.kc * 0.5  # a cached invariant tensor
+        if (self.kc.abs().sum() > 0).item():  # a hoisted sync
+            q = q + 1
+        return q @ K.t()
+
+
+def test_custom_op_without_a_version_bump_is_a_hidden_writer():
+    # an op defined from a schema with Tensor(a!) and a backend kernel only (a C++ extension's
+    # paged-KV writer) writes without moving the version: the cached K and the hoisted test after
+    # the break were served from the first step
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    ref, mine = _PagedAttn(), _PagedAttn()
+    f = torch.compile(mine, backend="nosync", options=EAGER)
+    with torch.no_grad():
+        for i in range(4):
+            q, s, k = torch.ones(1, 2), torch.tensor([i]), torch.full((1, 2), float(i + 1))
+            assert_bitwise(f(q, s, k), ref(q, s, k))
+            assert_bitwise(mine.kc, ref.kc)

@@ -32,6 +32,7 @@ private name                                                     used by
 ``fn._torchdynamo_orig_callable`` (a ``disable`` wrapper)         :func:`undisabled`
 ``torch._inductor.list_mode_options``                            :func:`inductor_mode_options`
 ``torch._inductor.config.get_config_copy``                       :func:`inductor_config_names`
+``torch._C._dispatch_has_kernel_for_dispatch_key``               :func:`bumps_versions`
 ``torch._inductor.config.freezing``, ``torch._dynamo.config``    :func:`freezing_on`
 ``.prepare_freezing``
 ``torch._ops.OpOverload`` / ``OpOverloadPacket``                 :func:`is_op_overload`,
@@ -577,6 +578,18 @@ def no_torch_function() -> Any:
 def snapshot_for_context(snapshots: tuple) -> Any:
     """The one of :func:`frame_entry_state`'s snapshots for this context's torch-function state."""
     return snapshots[1] if torch._C._is_torch_function_all_disabled() else snapshots[0]
+
+
+def bumps_versions(op: Any) -> bool:
+    """Does the op overload ``op`` have an ADInplaceOrView kernel (the one that bumps the version of
+    the tensors it writes)? True when that cannot be read (assume the common case).
+
+    NOTE: ``torch._C._dispatch_has_kernel_for_dispatch_key``.
+    """
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "ADInplaceOrView"))
+    except Exception:
+        return True
 
 
 def inductor_config_names() -> frozenset:

@@ -471,7 +471,7 @@ def hidden_written_nodes(node: fx.Node) -> list[fx.Node]:
         return _subgraph_writes(node, _hidden_targets)
     spec = _HIDDEN_WRITERS.get(_target_name(node).split(".")[0])
     if spec is None:
-        return []
+        return _unversioned_custom_writes(node)
     names, flag = spec
     bound = _bound_arguments(node)
     if bound is None:  # cannot tell the arguments apart: any of them may be written
@@ -479,6 +479,19 @@ def hidden_written_nodes(node: fx.Node) -> list[fx.Node]:
     if flag and bound.get(flag) is False:
         return []
     return [n for name in names for n in _nodes_in(bound.get(name))]
+
+
+def _unversioned_custom_writes(node: fx.Node) -> list[fx.Node]:
+    """The arguments a custom op's schema marks written (``Tensor(a!)``) where the op has no
+    ADInplaceOrView kernel, the one that bumps a written tensor's version: an op a C++ extension
+    (or ``torch.library.Library.define``) registers with a backend kernel only writes behind the
+    counter (review 18: a paged-KV cache writer; ``torch.library.custom_op`` registers one)."""
+    out: list[fx.Node] = []
+    for op in aten_overloads(node):
+        if getattr(op, "namespace", "aten") in ("aten", "prims") or _torch_private.bumps_versions(op):
+            continue
+        out += _schema_writes(op._schema, node)
+    return out
 
 
 def _is_operator_function(node: fx.Node) -> bool:
