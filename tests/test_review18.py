@@ -263,6 +263,9 @@ def test_inductor_settings_among_the_options_reach_every_inductor_compile(monkey
                                   for p in seen), seen
     with pytest.raises(Exception, match="max_autotun'"):
         torch.compile(step, backend="nosync", options={"max_autotun": True})(torch.ones(3), torch.tensor(2.0))
+    # the type check stock makes (a string was patched into Inductor as a truthy value)
+    with pytest.raises(torchsync_pass.NosyncOptionsError, match="must be bool"):
+        torch.compile(step, backend="nosync", options={"fallback_random": "no"})(torch.ones(3), torch.tensor(2.0))
 
 
 def test_unrolled_loop_records_each_hoisted_value():
@@ -487,3 +490,35 @@ def test_custom_op_without_a_version_bump_is_a_hidden_writer():
             q, s, k = torch.ones(1, 2), torch.tensor([i]), torch.full((1, 2), float(i + 1))
             assert_bitwise(f(q, s, k), ref(q, s, k))
             assert_bitwise(mine.kc, ref.kc)
+
+
+def test_count_of_worker_threads_calling_a_compiled_function(monkeypatch):
+    # each compiled call's entry became a safe point, so worker threads digested chunks and
+    # restarted the profiler while the other ran ops: most of that thread's reads were lost
+    # (1.26 of 3 a call, no note). Short chunks make the digests frequent here.
+    import threading
+    import time
+
+    from torchsync_pass import counting
+
+    torch._dynamo.reset()
+    f = torch.compile(_solve, backend="eager")
+    A, b = torch.eye(3) * 2 + 0.1, torch.ones(3, 1)
+    per_call = _profiler_reads(lambda: _solve(A, b))
+    f(A, b)
+    calls = [0, 0]
+
+    def worker(k, stop):
+        while time.monotonic() < stop:
+            f(A, b)
+            calls[k] += 1
+
+    with torchsync_pass.count_syncs() as c:
+        monkeypatch.setattr(counting._SESSION, "_chunk_s", 0.005)
+        stop = time.monotonic() + 0.5
+        ts = [threading.Thread(target=worker, args=(k, stop)) for k in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    assert c.total == per_call * sum(calls), (c.total, per_call, calls, c.notes)

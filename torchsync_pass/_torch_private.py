@@ -31,7 +31,8 @@ private name                                                     used by
 ``torch._inductor.compile_fx.compile_fx``                        :func:`inductor_compile`
 ``fn._torchdynamo_orig_callable`` (a ``disable`` wrapper)         :func:`undisabled`
 ``torch._inductor.list_mode_options``                            :func:`inductor_mode_options`
-``torch._inductor.config.get_config_copy``                       :func:`inductor_config_names`
+``torch._inductor.config.get_config_copy``, ``.get_type``          :func:`inductor_config_names`,
+                                                                 :func:`inductor_setting_type`
 ``torch._C._dispatch_has_kernel_for_dispatch_key``               :func:`bumps_versions`
 ``torch._inductor.config.freezing``, ``torch._dynamo.config``    :func:`freezing_on`
 ``.prepare_freezing``
@@ -598,6 +599,21 @@ def inductor_config_names() -> frozenset:
     import torch._inductor.config
 
     return frozenset(torch._inductor.config.get_config_copy())
+
+
+def inductor_setting_type(name: str) -> Optional[type]:
+    """The type ``torch._inductor.config`` declares for the setting ``name`` (None where it is a
+    generic such as ``Optional[int]``, which stock ``torch.compile(options=...)`` does not check
+    either, or unknown)."""
+    import typing
+
+    import torch._inductor.config
+
+    try:
+        declared = torch._inductor.config.get_type(name)
+    except Exception:
+        return None
+    return declared if typing.get_origin(declared) is None and isinstance(declared, type) else None
 
 
 def inductor_mode_options(mode: Optional[str]) -> dict[str, Any]:

@@ -70,6 +70,11 @@ class Options:
         valid = {f: cls.__dataclass_fields__[f] for f in cls.__dataclass_fields__}
         known_to_inductor = _torch_private.inductor_config_names()
         inductor = {k: v for k, v in options.items() if k not in valid and k in known_to_inductor}
+        for k, v in inductor.items():  # the type check stock's options= makes
+            want = _torch_private.inductor_setting_type(k)
+            if want is not None and not isinstance(v, want):
+                raise NosyncOptionsError(f"nosync: Inductor setting options[{k!r}] must be {want.__name__}, "
+                                         f"got {v!r} ({type(v).__name__})")
         unknown = sorted(set(options) - set(valid) - set(inductor), key=repr)  # a stray 1 beside a typo
         if unknown:
             raise NosyncOptionsError(

@@ -321,11 +321,10 @@ def _same_file(a: str, b: str) -> bool:
         return False
 
 
-def _mark_sync_breaks(funcs: list[CompiledFunction], sites: list[SiteKey], counts: Any = None) -> None:
+def _mark_sync_breaks(funcs: list[CompiledFunction], counts: Any) -> None:
     # a sync counted on the break's line tells of a sync break, except one only inside an op
     # (Dynamo never breaks for those: multinomial's own read beside a break for its generator)
-    if counts is not None:
-        sites = [k for k in sites if set(counts.sites[k].kinds) - {"in_op"}] if hasattr(counts, "sites") else sites
+    sites = [k for k, st in counts.sites.items() if set(st.kinds) - {"in_op"}]
     for cf in funcs:
         for b in cf.breaks:
             at_site = any(s.line == b.line and _same_file(s.file, b.file) for s in sites)
@@ -345,13 +344,13 @@ def build_report(
     discarded = [d for d in decisions if d.compile_id in failed]
     decisions = [d for d in decisions if d.compile_id not in failed]
     latest = {d.site: d for d in decisions}
-    # (filtered before taking the last: a demoted sync whose site's last record is a cached tensor)
-    of_syncs = {d.site: d for d in decisions if d.action not in (Action.CACHED, Action.NOT_CACHED)}
-    # and of those, one of the row's own kind first (a kept bool() beside a rewritten index on its line)
+    # (filtered before taking the last: a demoted sync whose site's last record is a cached tensor),
+    # and of those one of the row's own kind first (a kept bool() beside a rewritten index)
+    of_syncs: dict[SiteKey, Decision] = {}
     of_kind: dict[str, dict[SiteKey, Decision]] = {}
     for d in decisions:
         if d.action not in (Action.CACHED, Action.NOT_CACHED):
-            of_kind.setdefault(d.kind, {})[d.site] = d
+            of_syncs[d.site] = of_kind.setdefault(d.kind, {})[d.site] = d
     body = counts.to_json()
     sites = []
     for st in counts.sorted_sites():
@@ -668,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         f for f in watcher.stop()
         if not counting._is_internal_file(f.file) and not counting._is_internal_file(os.path.abspath(f.file))
     ]
-    _mark_sync_breaks(funcs, list(counter.sites), counter)
+    _mark_sync_breaks(funcs, counter)
     notes = [watcher.note] if watcher.note else []
     verification = None
     if ns.verify:
