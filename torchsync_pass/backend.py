@@ -307,6 +307,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         reference = verify.reference_graph(gm)
     guards.demote_hidden_writes(gm.graph, compile_id)
     hidden_written = cone.writes_inputs_unseen(gm.graph)  # before codegen, which rewrites gm
+    custom_written = cone.inputs_custom_ops_may_write_unseen(gm.graph)
     guards.guard_written_inputs(gm.graph, compile_id)
     if cone.remove_dead_cones(gm):
         log.debug("nosync: removed the dead cones of hoisted syncs from graph %s", compile_id)
@@ -321,7 +322,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
                     opts.codegen, exc_info=True)
         compiled = gm.forward
     compiled = rewrite.restore_state_on_error(gm, compiled)
-    compiled = guards.forget_after_hidden_writes(hidden_written, compiled)
+    compiled = guards.forget_after_hidden_writes(hidden_written, compiled, custom_written)
     entry = {"graph": gm, "codegen": opts.codegen, "mode": mode, "compile_id": compile_id,
              "verified": None}
     if reference is not None:

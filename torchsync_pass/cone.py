@@ -471,7 +471,7 @@ def hidden_written_nodes(node: fx.Node) -> list[fx.Node]:
         return _subgraph_writes(node, _hidden_targets)
     spec = _HIDDEN_WRITERS.get(_target_name(node).split(".")[0])
     if spec is None:
-        return _unversioned_custom_writes(node)
+        return []
     names, flag = spec
     bound = _bound_arguments(node)
     if bound is None:  # cannot tell the arguments apart: any of them may be written
@@ -483,9 +483,10 @@ def hidden_written_nodes(node: fx.Node) -> list[fx.Node]:
 
 def _unversioned_custom_writes(node: fx.Node) -> list[fx.Node]:
     """The arguments a custom op's schema marks written (``Tensor(a!)``) where the op has no
-    ADInplaceOrView kernel, the one that bumps a written tensor's version: an op a C++ extension
-    (or ``torch.library.Library.define``) registers with a backend kernel only writes behind the
-    counter (review 18: a paged-KV cache writer; ``torch.library.custom_op`` registers one)."""
+    ADInplaceOrView kernel, the one that bumps a written tensor's version: registered from a
+    schema with a backend kernel only (a C++ extension's, ``torch.library.Library.define``), it
+    bumps the version only where its kernel writes through in-place ops, not where it writes the
+    memory itself (review 18: a paged-KV cache writer). ``torch.library.custom_op`` registers one."""
     out: list[fx.Node] = []
     for op in aten_overloads(node):
         if getattr(op, "namespace", "aten") in ("aten", "prims") or _torch_private.bumps_versions(op):
@@ -839,6 +840,15 @@ def _hidden_targets(n: fx.Node) -> list[fx.Node]:
     seen = dispatched(n)  # a function kept whole: its writes may be hidden ones (t.data, batch norm)
     return hidden_written_nodes(n) + [w for w in written_nodes(n) if _through_data(w)] + (
         seen[1] if seen is not None else [])
+
+
+def inputs_custom_ops_may_write_unseen(graph: fx.Graph) -> list[int]:
+    """The positions of the placeholders (in order) whose memory a custom op of the graph may write
+    without bumping the version (:func:`_unversioned_custom_writes`): whether it did can only be
+    seen at run time, by their versions (:func:`guards.forget_after_hidden_writes`)."""
+    written = {storage_of(t) for n in graph.nodes if n.op == "call_function"
+               for t in _unversioned_custom_writes(n)} - {None}
+    return [i for i, p in enumerate(graph.find_nodes(op="placeholder")) if storage_of(p) in written]
 
 
 def writes_inputs_unseen(graph: fx.Graph) -> bool:

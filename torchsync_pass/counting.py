@@ -1051,7 +1051,8 @@ class _Session:
         self._chunk_s = PROFILER_CHUNK_MIN_S  # see PROFILER_CHUNK_EVENTS
         self.resume_pending = False
         self._pending_since = 0.0  # when the profiler last stopped waiting for a safe point
-        self._owner = 0  # the thread that entered the first count: see resume
+        self._owner = 0  # the thread of the newest count still open: see resume
+        self._missed = False  # a safe point of another thread (or an unsafe one) came while paused
         self.active = False
         self.profiling = False
         self.accelerator = False
@@ -1063,11 +1064,12 @@ class _Session:
         with self._lock:
             self._flush()
             if not self._recs:
-                self._owner = threading.get_ident()
                 self.accelerator = torch.cuda.is_available()
                 self._unpatch = _patch_tensor_methods()
                 self._watch_pauses()
+            rec._thread = threading.get_ident()
             self._recs.append(rec)
+            self._owner = rec._thread  # the newest count's thread: see resume
             self.active = True
             self._restart()
             if rec.want_profiler and not self.profiling:
@@ -1080,10 +1082,12 @@ class _Session:
         with self._lock:
             gap = time.monotonic() - self._pending_since
             if (rec.want_profiler and rec.profiled and self.resume_pending and not self._paused
-                    and gap > GAP_NOTE_S):
+                    and (gap > GAP_NOTE_S or self._missed)):
                 rec.notes.append(GAP_NOTE.format(gap=gap))
             self._flush()
             self._recs.remove(rec)
+            if self._recs:
+                self._owner = self._recs[-1]._thread
             if not self._recs:
                 self.active = False
                 self._unpatch()
@@ -1126,6 +1130,7 @@ class _Session:
                 self._paused -= 1
                 self.resume_pending = not self._paused
                 self._pending_since = time.monotonic()
+                self._missed = False
 
     def resume(self, frame: Any) -> None:
         """Restart the paused profiler, if ``frame`` is a safe point.
@@ -1142,6 +1147,7 @@ class _Session:
         inside a solve a call counted, two worker threads calling a compiled function).
         """
         if threading.get_ident() != self._owner:
+            self._missed = self._missed or self.resume_pending
             return
         try:
             unsafe = _torch_private.frame_runs_under_dynamo(frame)
@@ -1149,10 +1155,12 @@ class _Session:
             log.debug("torchsync_pass: could not check the stack for a safe point", exc_info=True)
             unsafe = True
         if unsafe:
+            self._missed = self._missed or self.resume_pending
             return
         with self._lock:
             if self.resume_pending and not self._paused:
                 self.resume_pending = False
+                self._missed = False
                 self._restart()
 
     def at_safe_point(self, frame: Any) -> None:
@@ -1240,8 +1248,8 @@ GAP_NOTE_S = 0.01
 GAP_NOTE = (
     "the profiler stopped for a compile, an import or a chunk's digest and no safe point to restart it came "
     "in the last {gap:.2f} s of the counted code (no intercepted tensor method, backward() or compiled "
-    "function call outside compiled code): syncs only the profiler sees (torch.equal(a, b), syncs inside ops "
-    "and compiled graphs) in that time are not counted")
+    "function call outside compiled code, in the thread that entered the count): syncs only the profiler "
+    "sees (torch.equal(a, b), syncs inside ops and compiled graphs) in that time are not counted")
 CUT_NOTE = (
     "a profiler session started inside the counted code (torch.profiler.profile, "
     "torch.autograd.profiler.profile) stopped the counter's own for a while: syncs only the profiler sees "

@@ -35,7 +35,7 @@ import struct
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -1299,14 +1299,31 @@ def _runtime_miss(state: SiteState, cone: ConeState, may_demote: bool) -> bool:
     return False
 
 
-def forget_after_hidden_writes(written: bool, compiled: Callable[..., Any]) -> Callable[..., Any]:
+def forget_after_hidden_writes(written: bool, compiled: Callable[..., Any],
+                               maybe_unversioned: Sequence[int] = ()) -> Callable[..., Any]:
     """``compiled``, or, when the graph writes an input without bumping its version (``written``,
     from :func:`cone.writes_inputs_unseen`, read before codegen: a batch norm in training mode on a
     buffer of another name, ``t.data.add_``, also inside a higher-order op or a function kept
     whole), a wrapper that forgets every memoised value after each call (:func:`forget_all`): the
     next graph of the function (after a graph break), another compiled function, or this graph's
     next call would take what it hoisted or cached from them as still current (Note [Writes behind
-    the version counter across graphs])."""
+    the version counter across graphs]). ``maybe_unversioned``: the positions of the inputs a
+    custom op writes that may or may not bump their version
+    (:func:`cone.inputs_custom_ops_may_write_unseen`): forgotten after a call where one of them
+    kept its version."""
+    if not written and maybe_unversioned:
+        positions = tuple(maybe_unversioned)
+
+        @functools.wraps(compiled)
+        def check(*args: Any) -> Any:
+            before = [_version_or_none(args[i]) for i in positions]
+            try:
+                return compiled(*args)
+            finally:
+                if any(v is None or _version_or_none(args[i]) == v for i, v in zip(positions, before)):
+                    forget_all()
+
+        return check
     if not written:
         return compiled
 
@@ -1318,6 +1335,14 @@ def forget_after_hidden_writes(written: bool, compiled: Callable[..., Any]) -> C
             forget_all()
 
     return run
+
+
+def _version_or_none(t: Any) -> Optional[int]:
+    """``t._version``, or None for what has none (an inference tensor, not a tensor)."""
+    try:
+        return t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None
+    except Exception:
+        return None
 
 
 # Note [Writes behind the version counter across graphs]
