@@ -477,19 +477,26 @@ class _PagedAttn(torch.nn.Module):
         return q @ K.t()
 
 
+def _same_as_eager_with_buffers(cls, inputs):
+    """A fresh ``cls()`` compiled by nosync (eager codegen) against another run eagerly, on each of
+    ``inputs`` in turn under no_grad: outputs and buffers bitwise equal."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    ref, mine = cls(), cls()
+    f = torch.compile(mine, backend="nosync", options=EAGER)
+    with torch.no_grad():
+        for args in inputs:
+            assert_bitwise(f(*args), ref(*args))
+            for got, want in zip(mine.buffers(), ref.buffers()):
+                assert_bitwise(got, want)
+
+
 def test_custom_op_without_a_version_bump_is_a_hidden_writer():
     # an op defined from a schema with Tensor(a!) and a backend kernel only (a C++ extension's
     # paged-KV writer) writes without moving the version: the cached K and the hoisted test after
     # the break were served from the first step
-    torch._dynamo.reset()
-    torchsync_pass.reset()
-    ref, mine = _PagedAttn(), _PagedAttn()
-    f = torch.compile(mine, backend="nosync", options=EAGER)
-    with torch.no_grad():
-        for i in range(4):
-            q, s, k = torch.ones(1, 2), torch.tensor([i]), torch.full((1, 2), float(i + 1))
-            assert_bitwise(f(q, s, k), ref(q, s, k))
-            assert_bitwise(mine.kc, ref.kc)
+    _same_as_eager_with_buffers(_PagedAttn, [(torch.ones(1, 2), torch.tensor([i]), torch.full((1, 2), float(i + 1)))
+                                             for i in range(4)])
 
 
 def test_count_of_worker_threads_calling_a_compiled_function(monkeypatch):
@@ -550,14 +557,7 @@ def test_custom_op_whose_kernel_bumps_the_version_keeps_hoisting():
     # bumps the version; now the versions say, after each call
     from torchsync_pass.guards import counters
 
-    torch._dynamo.reset()
-    torchsync_pass.reset()
-    ref, mine = _BumpingWriter(), _BumpingWriter()
-    f = torch.compile(mine, backend="nosync", options=EAGER)
-    with torch.no_grad():
-        for i in range(5):
-            x = torch.full((4,), float(i))
-            assert_bitwise(f(x), ref(x))
+    _same_as_eager_with_buffers(_BumpingWriter, [(torch.full((4,), float(i)),) for i in range(5)])
     assert counters()["guard_syncs"] == 0 and counters()["hoisted"] >= 1, dict(counters())
 
 
