@@ -1142,9 +1142,11 @@ class _Session:
         compile callbacks, from the import machinery, while compiled code ran, or from a
         ``sys.setprofile`` callback made the interpreter crash when the tracer stopped.
 
-        Only in the thread that entered the count: a restart (or a chunk's digest) from a worker
-        thread while another ran ops lost most of that thread's events (review 18: 1.26 of 3 reads
-        inside a solve a call counted, two worker threads calling a compiled function).
+        Only in the thread of the newest count still open (``_owner``): a restart (or a chunk's
+        digest) from a worker thread while another ran ops lost most of that thread's events
+        (review 18: 1.26 of 3 reads inside a solve a call counted, two worker threads calling a
+        compiled function). An older count's thread working while the newest's waits is not
+        counted by the profiler then (the stop note says so).
         """
         if threading.get_ident() != self._owner:
             self._missed = self._missed or self.resume_pending
@@ -1248,7 +1250,7 @@ GAP_NOTE_S = 0.01
 GAP_NOTE = (
     "the profiler stopped for a compile, an import or a chunk's digest and no safe point to restart it came "
     "in the last {gap:.2f} s of the counted code (no intercepted tensor method, backward() or compiled "
-    "function call outside compiled code, in the thread that entered the count): syncs only the profiler "
+    "function call outside compiled code, in the thread of the newest count still open): syncs only the profiler "
     "sees (torch.equal(a, b), syncs inside ops and compiled graphs) in that time are not counted")
 CUT_NOTE = (
     "a profiler session started inside the counted code (torch.profiler.profile, "
