@@ -256,7 +256,8 @@ def test_inductor_settings_among_the_options_reach_every_inductor_compile(monkey
     def step(x, s):
         return x * s.item()
 
-    f = torch.compile(step, backend="nosync", options={"max_autotune": True, "epilogue_fusion": False})
+    # ("epilogue-fusion": stock takes a dashed name for the underscored one, review 18)
+    f = torch.compile(step, backend="nosync", options={"max_autotune": True, "epilogue-fusion": False})
     for s in (torch.tensor(2.0), torch.tensor(3.0)):  # a new value: a recompile, the same settings
         assert_bitwise(f(torch.ones(3), s), step(torch.ones(3), s))
     assert len(seen) >= 2 and all(p.get("max_autotune") is True and p.get("epilogue_fusion") is False
