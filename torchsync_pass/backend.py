@@ -69,11 +69,11 @@ class Options:
             )
         valid = {f: cls.__dataclass_fields__[f] for f in cls.__dataclass_fields__}
         known_to_inductor = _torch_private.inductor_config_names()
-        # (stock takes "max-autotune" for "max_autotune" too)
-        inductor = {k: v for k, v in options.items() if k not in valid and isinstance(k, str)
+        # given key -> Inductor's name (stock takes "max-autotune" for "max_autotune" too)
+        inductor = {k: k.replace("-", "_") for k in options if k not in valid and isinstance(k, str)
                     and k.replace("-", "_") in known_to_inductor}
-        for k, v in inductor.items():  # the type check stock's options= makes
-            want = _torch_private.inductor_setting_type(k.replace("-", "_"))
+        for k, name in inductor.items():  # the type check stock's options= makes
+            want, v = _torch_private.inductor_setting_type(name), options[k]
             if want is not None and not isinstance(v, want):
                 raise NosyncOptionsError(f"nosync: Inductor setting options[{k!r}] must be {want.__name__}, "
                                          f"got {v!r} ({type(v).__name__})")
@@ -89,7 +89,7 @@ class Options:
             if name not in inductor:
                 kw[name] = _check(name, value)
         if inductor:
-            named = {k.replace("-", "_"): v for k, v in inductor.items()}
+            named = {name: options[k] for k, name in inductor.items()}
             kw["inductor"] = tuple(sorted({**dict(kw.get("inductor", ())), **named}.items()))
         return cls(**kw)
 

@@ -559,13 +559,13 @@ def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
         owner = node.graph.owning_module
         attr = getattr(owner, node.target, None) if isinstance(node.target, str) and owner is not None else None
         caller = next((u for u in node.users if u.op == "call_function"), None)
-        if (caller is not None and not isinstance(_torch_private.example_value(node), torch.Tensor)
+        is_tensor = isinstance(_torch_private.example_value(node), torch.Tensor)
+        if (caller is not None and not is_tensor
                 and not isinstance(attr, torch.Tensor) and (attr is None or callable(attr))):
             return Reason.SUBGRAPH, f"{_target_name(caller)} calls {node.target!r} (a subgraph or opaque function)"
         # (a tensor constant, not a higher-order op's subgraph, while the trace's grad mode lets
         # freezing make module tensors constants)
-        frozen = (isinstance(_torch_private.example_value(node), torch.Tensor)
-                  and _torch_private.freezing_on(torch.is_grad_enabled()))
+        frozen = is_tensor and _torch_private.freezing_on(torch.is_grad_enabled())
         return Reason.CONSTANT_LEAF, f"reads graph attribute {node.target!r}" + (FREEZING_NOTE if frozen else "")
     if node.op == "call_module":
         return Reason.SUBGRAPH, f"calls module {node.target!r}"

@@ -1148,15 +1148,7 @@ class _Session:
         compiled function). An older count's thread working while the newest's waits is not
         counted by the profiler then (the stop note says so).
         """
-        if threading.get_ident() != self._owner:
-            self._missed = self._missed or self.resume_pending
-            return
-        try:
-            unsafe = _torch_private.frame_runs_under_dynamo(frame)
-        except Exception:  # unknown is unsafe: a restart inside a compiled region corrupts the heap
-            log.debug("torchsync_pass: could not check the stack for a safe point", exc_info=True)
-            unsafe = True
-        if unsafe:
+        if threading.get_ident() != self._owner or self._unsafe(frame):
             self._missed = self._missed or self.resume_pending
             return
         with self._lock:
@@ -1164,6 +1156,14 @@ class _Session:
                 self.resume_pending = False
                 self._missed = False
                 self._restart()
+
+    @staticmethod
+    def _unsafe(frame: Any) -> bool:
+        try:
+            return _torch_private.frame_runs_under_dynamo(frame)
+        except Exception:  # unknown is unsafe: a restart inside a compiled region corrupts the heap
+            log.debug("torchsync_pass: could not check the stack for a safe point", exc_info=True)
+            return True
 
     def at_safe_point(self, frame: Any) -> None:
         """A call that may restart the paused profiler (a compiled function's entry, ``backward``):
@@ -1177,7 +1177,7 @@ class _Session:
 
     def maybe_rotate(self, frame: Any) -> None:
         """Digest the running profiler chunk when it is older than ``PROFILER_CHUNK_S`` (in the
-        thread that entered the count only: see resume)."""
+        newest open count's thread only: see resume)."""
         if self.profiling and time.monotonic() > self._chunk_end and threading.get_ident() == self._owner:
             with self._lock:
                 if self.profiling and not self._paused:
