@@ -332,7 +332,11 @@ def _later_twins(tx: Any, inst: Any) -> int:
                and (pos := getattr(x, "positions", None)) is not None and (pos.lineno, pos.col_offset) == at)
 
 
-# (frame code, isolate_recompiles region) -> the compile ids of its compiles so far, in order
+# (id of the frame's code, isolate_recompiles region) -> (that code, the compile ids of its compiles
+# so far, in order). NOTE: keyed by identity, as Dynamo keeps its cache: code objects compare equal
+# by content (a ``code.replace()`` copy, as benchmarks/ab.py's isolate makes; functions exec'd from
+# one text), and equal copies counted as one frame reached the budget together (step_overhead.py:
+# every nosync variant demoted, 2x the hoisted step). The code is held, so its id stays its own.
 _REGION_COMPILES: dict = {}
 _REGION_COMPILES_LOCK = threading.Lock()
 
@@ -350,7 +354,7 @@ def _frame_compile_index(code: Any) -> tuple[int, int]:
     entries, region = compiled_entries(code)
     cid = str(CompileContext.current_compile_id())
     with _REGION_COMPILES_LOCK:
-        seen = _REGION_COMPILES.setdefault((code, region), [])
+        seen = _REGION_COMPILES.setdefault((id(code), region), (code, []))[1]
         if cid not in seen:
             seen.append(cid)
         before = seen.index(cid)
@@ -2927,6 +2931,37 @@ def inline_wrapper_of(compiled: Any) -> Any:
     except (ValueError, TypeError):
         return None
     return inner if getattr(inner, "__code__", None) is wrap_inline_code() else None
+
+
+class CodeMap:
+    """A mapping keyed by code objects' *identity*, holding them weakly (an entry goes with its
+    code). Code objects compare equal by content (a ``code.replace()`` copy, functions exec'd from
+    one text), but each is a frame of its own to Dynamo, with its own cache entries."""
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def _drop(self, k: int, ref: weakref.ref) -> None:
+        e = self._d.get(k)
+        if e is not None and e[0] is ref:  # not a newer code that took the same id
+            self._d.pop(k, None)
+
+    def setdefault(self, code: types.CodeType, default: Any) -> Any:
+        k = id(code)
+        e = self._d.get(k)
+        if e is None or e[0]() is not code:
+            e = self._d[k] = (weakref.ref(code, lambda r, k=k: self._drop(k, r)), default)
+        return e[1]
+
+    def get(self, code: types.CodeType, default: Any = None) -> Any:
+        e = self._d.get(id(code))
+        return e[1] if e is not None and e[0]() is code else default
+
+    def items(self) -> list[tuple[types.CodeType, Any]]:
+        return [(c, v) for r, v in list(self._d.values()) if (c := r()) is not None]
+
+    def clear(self) -> None:
+        self._d.clear()
 
 
 def code_key(code: types.CodeType) -> tuple:

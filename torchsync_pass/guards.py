@@ -758,7 +758,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     return True, value
 
 
-_recompiles_seen: set = set()
+_recompiles_seen: dict = {}  # (id(frame code), compile id) -> the code
 
 
 def syncing_op_in_cone(state: SiteState, result: ConeResult, compile_id: Optional[str]) -> Optional[tuple[bool, Any]]:
@@ -777,11 +777,11 @@ def syncing_op_in_cone(state: SiteState, result: ConeResult, compile_id: Optiona
 def _count_recompile(site: dynamo_hooks.SyncSite, compile_id: Optional[str]) -> None:
     """counters['nosync']['recompiles']: compiles of a nosync frame after its first one."""
     if site.frame_compile > 0 and compile_id is not None:
-        key = (site.frame_code, compile_id)
+        key = (id(site.frame_code), compile_id)  # the code held: its id stays its own
         with _lock:
             if key in _recompiles_seen:
                 return
-            _recompiles_seen.add(key)
+            _recompiles_seen[key] = site.frame_code
         counters()["recompiles"] += 1
 
 
@@ -1197,7 +1197,7 @@ class SiteCheck:
 #    (demote_hidden_writes, asked by the backend once the whole graph is known).
 # Rules 3-5 spare a site whose leaves are all declared: the user promised they stay fixed.
 MISS_STREAK_DEMOTE = 3
-_budget_frames: set = set()
+_budget_frames: dict = {}  # (id(frame code), region) -> the code
 # Demotions so far: a guard's fast path answers only while none happened since its checks last
 # passed (every demotion goes through _demote).
 _DEMOTIONS = [0]
@@ -1219,13 +1219,15 @@ def _budget_exhausted(site: dynamo_hooks.SyncSite) -> bool:
     half of the budget stays for Dynamo's own reasons to recompile (dtype or shape changes, ints
     passed across a graph break), so the frame does not reach the limit because of our guards.
     """
-    key = (site.frame_code, site.frame_region)  # per isolate_recompiles region, as Dynamo's limit
+    # per code object (by identity, as Dynamo's cache: equal copies are frames of their own) and
+    # isolate_recompiles region, as Dynamo's limit
+    key = (id(site.frame_code), site.frame_region)
     if key in _budget_frames:
         return True
     # recompile_limit 1 leaves no recompile for a value that changes: nothing is hoisted (with a
     # hoist, Dynamo would run every later request's frame uncompiled, after the guard's sync)
     if site.frame_compile >= dynamo_hooks.recompile_limit() // 2:
-        _budget_frames.add(key)
+        _budget_frames[key] = site.frame_code  # held: its id stays its own
         return True
     return False
 
@@ -1407,7 +1409,7 @@ def demote_hidden_writes(graph: Any, compile_id: Optional[str]) -> None:
 # ----------------------------------------------------------------------------------------------
 # The checks of a compiled frame, for callers that run them themselves (serving.check_request)
 # ----------------------------------------------------------------------------------------------
-_checks_by_code: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+_checks_by_code = dynamo_hooks.CodeMap()  # frame code (by identity) -> weakref.WeakSet of its checks
 _owner_of: "weakref.WeakKeyDictionary[SiteCheck, Optional[tuple]]" = weakref.WeakKeyDictionary()
 _callers_of: "weakref.WeakKeyDictionary[SiteCheck, frozenset]" = weakref.WeakKeyDictionary()
 
