@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 import torchsync_pass
@@ -64,6 +65,36 @@ def test_checks_of_a_code_copy_are_its_own():
         torch.compile(b, backend="nosync", options=EAGER)(x, mask)
         ca, cb = guards.checks_for(a.__code__), guards.checks_for(b.__code__)
         assert len(ca) == len(cb) == 1 and ca[0] is not cb[0]
+    finally:
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def _e8m0_branch(a, b, s):
+    t = (s + 0 * torch.rand(())).to(_E8M0)  # a random op in the test's cone: not hoisted, selected
+    y = a if t else b
+    return y * 1
+
+
+@pytest.mark.skipif(_E8M0 is None, reason="no float8_e8m0fnu in this torch")
+def test_branch_on_an_e8m0_test_is_not_a_select():
+    """float8_e8m0fnu has no zero: bool(t) is True for its smallest value 2**-127, but the select's
+    nonzero test torch.ne(t, 0) compares with 0 converted to 2**-127: the other arm (helper 141)."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    a, b = torch.ones(3), torch.full((3,), 2.0)
+    f = torch.compile(_e8m0_branch, backend="nosync", options=EAGER)
+    try:
+        for v in (2.0 ** -127, 1.0, 2.0 ** -127):
+            s = torch.tensor(v)
+            torch.manual_seed(0)
+            want = _e8m0_branch(a, b, s)
+            torch.manual_seed(0)
+            assert torch.equal(f(a, b, s), want), v
+        assert not any(d.action.name == "REWRITTEN" for d in torchsync_pass.decisions())
     finally:
         torch._dynamo.reset()
         torchsync_pass.reset()

@@ -2152,6 +2152,11 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
         _rewriter.refuse_branch(site, "BRANCH_VALUES", "the test is a uint64 tensor: bool() raises on a value "
                                 "of 2**63 or more (it does not fit int64), a select would not")
         return False
+    if ex.dtype is getattr(torch, "float8_e8m0fnu", None):
+        _rewriter.refuse_branch(site, "BRANCH_VALUES", "the test is a float8_e8m0fnu tensor: the type has no "
+                                "zero (0 converts to 2**-127), so every value is true to bool() while a "
+                                "select's nonzero test is false for 2**-127 (review 19)")
+        return False
     use = RewriteUse("branch", "", 0)
     try:
         arm_a, arm_b, join = _branch_arms(tx, inst)
