@@ -98,3 +98,63 @@ def test_branch_on_an_e8m0_test_is_not_a_select():
     finally:
         torch._dynamo.reset()
         torchsync_pass.reset()
+
+
+class _Child(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.tensor([1.0, -2.0, 3.0, 0.0]))
+
+    def forward(self, x):
+        return x * self.b.sum().item() + self.b  # hoisted: no graph break at the child's call
+
+
+class _Parent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = _Child()
+
+    def forward(self, x):
+        return self.c(x) + 1
+
+
+def _add_hook(m, kind):
+    if kind == "child_pre":
+        return m.c.register_forward_pre_hook(lambda mod, args: (args[0] * 10,))
+    if kind == "child_forward":
+        return m.c.register_forward_hook(lambda mod, args, out: out * 100)
+    return torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda mod, args: (args[0] * 10,) if mod is m.c else None)
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
+@pytest.mark.parametrize("kind", ["child_pre", "child_forward", "global_pre"])
+def test_hook_added_to_a_module_inlined_around_a_hoisted_sync_runs(kind):
+    """Stock breaks the graph at the child's call (its .item()) and calls the child through
+    Module.__call__, which runs a hook added between requests, as eager does. nosync removed the
+    break, Dynamo inlined the child without guarding its empty hook dicts (nor the global ones), and
+    the hook never ran (helper 140)."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    x = torch.ones(1, 4)
+    results = {}
+    try:
+        for name in ("eager", "nosync"):
+            m = _Parent()
+            f = m if name == "eager" else torch.compile(m, backend="nosync", options=EAGER)
+            with torch.no_grad():
+                r1 = f(x)
+                h = _add_hook(m, kind)
+                try:
+                    r2 = f(x)
+                finally:
+                    h.remove()
+                r3 = f(x)
+            results[name] = (r1, r2, r3)
+        for want, got in zip(results["eager"], results["nosync"]):
+            assert torch.equal(got, want), (got, want)
+        assert not torch.equal(results["eager"][1], results["eager"][0])  # the hook changed the result
+        assert any(d.action.name == "HOISTED" for d in torchsync_pass.decisions())
+    finally:
+        torch._dynamo.reset()
+        torchsync_pass.reset()

@@ -310,7 +310,90 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
     )
     site.leaves = [leaf for n in node.graph.find_nodes(op="placeholder") if (leaf := leaf_of(n)) is not None]
     site.frame_compile, site.frame_region = _frame_compile_index(site.frame_code)
+    _guard_inlined_module_hooks(tx)
     return site
+
+
+# the hook dicts Module._call_impl consults before it takes the plain path (the *_with_kwargs and
+# *_always_called dicts only qualify hooks that are in these)
+_MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                      "_global_backward_hooks")
+
+
+def _inlined_modules(tx: Any) -> list[tuple[str, Any]]:
+    """``(source, module)`` of each ``nn.Module`` whose method is being inlined between the
+    compiled frame and ``tx`` (each inlined frame's first argument, where it is a module that the
+    frame reaches from its inputs or globals: one built inside the step has no source)."""
+    mods = []
+    t, root = tx, tx.output.root_tx
+    while t is not None and t is not root:
+        code = t.f_code
+        vt = t.symbolic_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        mod = getattr(vt, "value", None)
+        if not isinstance(mod, torch.nn.Module) and getattr(vt, "module_key", None) is not None:
+            mod = t.output.get_submodule(vt.module_key)  # a module Dynamo specialised
+        src = _source_name(getattr(vt, "source", None))
+        if isinstance(mod, torch.nn.Module) and src is not None:
+            mods.append((src, mod))
+        t = getattr(t, "parent", None)
+    return mods
+
+
+def _guard_inlined_module_hooks(tx: Any) -> None:
+    """Guard the hook dicts of the modules whose call Dynamo inlines around a sync: each one empty
+    at compile time must stay empty, as must the global hook dicts.
+
+    NOTE: stock Dynamo breaks the graph at the call of a module whose forward reaches a sync, and
+    calls that module through ``Module.__call__``, which runs hooks added later (eager does too).
+    nosync removes the break, so Dynamo inlines the module, and by default
+    (``skip_nnmodule_hook_guards``) does not guard its empty hook dicts, nor the global ones: a
+    hook added between requests was never run (review 19, helper 140). One check per compile,
+    growing as sites are traced; a failure recompiles, and the new trace inlines the hooks."""
+    mods = _inlined_modules(tx)
+    if not mods:
+        return
+    out = tx.output
+    state = out.__dict__.get("_nosync_hook_guard")
+    if state is None:
+        entries: list[tuple[str, tuple[str, ...]]] = []  # (module source, its hook dicts empty when traced)
+        state = out.__dict__["_nosync_hook_guard"] = (set(), entries)
+        built: list = []  # at the first call, when every site of the compile has added its modules
+
+        def check(L: Any, G: Any) -> bool:
+            if not built:
+                built.append(_hooks_still_empty(entries))
+            return built[0](L, G)
+
+        _install_guard(out, "module_hooks", check, "nosync: no hook added to a module inlined around a "
+                       "hoisted sync (stock calls it eagerly, across the graph break), nor a global module hook")
+    seen, entries = state
+    for src, m in mods:
+        if src not in seen:
+            seen.add(src)
+            entries.append((src, tuple(n for n in _MODULE_HOOK_DICTS if not m.__dict__.get(n, True))))
+
+
+def _hooks_still_empty(entries: list[tuple[str, tuple[str, ...]]]) -> Callable[[Any, Any], bool]:
+    """One generated function: True while each listed hook dict of each module (by its source) and
+    each global hook dict empty now is still empty; False where one is not, or a source no longer
+    resolves."""
+    import torch.nn.modules.module as module_py
+
+    env = guard_env()
+    lines = ["def check(L, G):", "    try:", "        pass"]
+    for src, names in entries:
+        if names:
+            lines.append(f"        d = ({src}).__dict__")
+            lines.append("        if " + " or ".join(f"d[{n!r}]" for n in names) + ":")
+            lines.append("            return False")
+    lines += ["    except Exception:", "        return False"]
+    empty = [d for d in (getattr(module_py, n, None) for n in _GLOBAL_HOOK_DICTS) if isinstance(d, dict) and not d]
+    for i, d in enumerate(empty):
+        env[f"_g{i}"] = d
+    lines.append("    return not (" + " or ".join(f"_g{i}" for i in range(len(empty))) + ")" if empty else "    return True")
+    exec("\n".join(lines), env)  # noqa: S102 - sources are Dynamo guard expressions
+    return env["check"]
 
 
 def _later_twins(tx: Any, inst: Any) -> int:
