@@ -158,3 +158,44 @@ def test_hook_added_to_a_module_inlined_around_a_hoisted_sync_runs(kind):
     finally:
         torch._dynamo.reset()
         torchsync_pass.reset()
+
+
+def test_explain_passes_a_double_dash_after_the_script_to_it(tmp_path, capsys):
+    """``explain script.py -- -x`` gave the script ['-x'] (argparse took the '--'), where python and
+    python -m cProfile give it ['--', '-x'] (helper 139); explain's own options still parse."""
+    from torchsync_pass import explain
+
+    script = tmp_path / "dd.py"
+    script.write_text("import sys\nprint('ARGV', sys.argv[1:])\n")
+    assert explain.main([str(script), "--", "-x"]) == 0
+    assert "ARGV ['--', '-x']" in capsys.readouterr().out
+    assert explain.main(["--max-sites", "3", "--json", "--", str(script), "--json", "--", "y"]) == 0
+    cap = capsys.readouterr()  # with --json the script's own output goes to stderr
+    assert "ARGV ['--json', '--', 'y']" in cap.err and '"exit_code": 0' in cap.out
+    assert explain.main(["--json"]) == 2
+    err = capsys.readouterr().err
+    assert "required: script" in err and "args" not in err.split("required:")[1]
+
+
+def test_explain_reports_sys_exit_true_as_status_1(tmp_path, capsys):
+    from torchsync_pass import explain
+
+    script = tmp_path / "exit_true.py"
+    script.write_text("import sys\nsys.exit(True)\n")
+    rc = explain.main(["--json", str(script)])
+    out = capsys.readouterr().out
+    assert rc == 1 and type(rc) is int
+    assert '"exit_code": 1' in out
+
+
+def test_inductor_key_of_the_options_is_checked_as_plain_settings():
+    """options['inductor'] (how NosyncBackend carries Inductor settings over) took any name and
+    value: an unknown setting failed inside Inductor at the compile (helper 139)."""
+    from torchsync_pass import NosyncOptionsError
+    from torchsync_pass.backend import Options
+
+    with pytest.raises(NosyncOptionsError, match="'not_a_setting', which is not an Inductor setting"):
+        Options.from_dict({"inductor": (("not_a_setting", 1),)})
+    with pytest.raises(NosyncOptionsError, match=r"options\['inductor'\]\['max_autotune'\] must be bool"):
+        Options.from_dict({"inductor": (("max_autotune", "yes"),)})
+    assert Options.from_dict({"inductor": (("max-autotune", True),)}).inductor == (("max_autotune", True),)

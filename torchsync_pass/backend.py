@@ -72,11 +72,8 @@ class Options:
         # given key -> Inductor's name (stock takes "max-autotune" for "max_autotune" too)
         inductor = {k: k.replace("-", "_") for k in options if k not in valid and isinstance(k, str)
                     and k.replace("-", "_") in known_to_inductor}
-        for k, name in inductor.items():  # the type check stock's options= makes
-            want, v = _torch_private.inductor_setting_type(name), options[k]
-            if want is not None and not isinstance(v, want):
-                raise NosyncOptionsError(f"nosync: Inductor setting options[{k!r}] must be {want.__name__}, "
-                                         f"got {v!r} ({type(v).__name__})")
+        for k, name in inductor.items():
+            _check_inductor_setting(f"options[{k!r}]", name, options[k])
         unknown = sorted(set(options) - set(valid) - set(inductor), key=repr)  # a stray 1 beside a typo
         if unknown:
             raise NosyncOptionsError(
@@ -121,7 +118,13 @@ def _check(name: str, value: Any) -> Any:
     if name == "inductor":  # ((name, value), ...) carried over by NosyncBackend.merged_options
         if not isinstance(value, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in value):
             raise bad("Inductor settings as ((name, value), ...); pass them as plain options instead")
-        return value
+        known = _torch_private.inductor_config_names()
+        for setting, v in value:  # checked as the plain options they stand for
+            if not isinstance(setting, str) or setting.replace("-", "_") not in known:
+                raise NosyncOptionsError(f"nosync: options['inductor'] names {setting!r}, which is not an "
+                                         "Inductor setting (torch._inductor.config names such as 'max_autotune')")
+            _check_inductor_setting(f"options['inductor'][{setting!r}]", setting.replace("-", "_"), v)
+        return tuple((setting.replace("-", "_"), v) for setting, v in value)
     if name == "invariant_cache_bytes":
         if value is None:
             return value
@@ -129,6 +132,14 @@ def _check(name: str, value: Any) -> Any:
             raise bad("an int >= 0 (bytes; 0 turns invariant caching off)")
         return value
     raise AssertionError(name)
+
+
+def _check_inductor_setting(where: str, name: str, value: Any) -> None:
+    """The type check stock's ``options=`` makes of an Inductor setting."""
+    want = _torch_private.inductor_setting_type(name)
+    if want is not None and not isinstance(value, want):
+        raise NosyncOptionsError(f"nosync: Inductor setting {where} must be {want.__name__}, "
+                                 f"got {value!r} ({type(value).__name__})")
 
 
 _FORCED: dict[str, Any] = {}

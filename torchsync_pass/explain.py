@@ -266,7 +266,7 @@ def _exit_code(e: SystemExit) -> int:
     if e.code is None:
         return 0
     if isinstance(e.code, int):
-        return e.code
+        return int(e.code)  # sys.exit(True) exits 1
     print(e.code, file=sys.stderr)
     return 1
 
@@ -607,8 +607,29 @@ def _parser() -> argparse.ArgumentParser:
                    help="print a progress line on stderr every SECONDS while the script runs "
                    "(default 30; 0: never)")
     p.add_argument("script", help="the Python script to run as __main__")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.add_argument("args", nargs="*", default=[], help="arguments passed to the script, as given (a '--' included)")
     return p
+
+
+# explain's options that take a value (as "--name VALUE"; "--name=VALUE" is one word)
+_VALUED = ("--max-syncs", "--max-sites", "--progress")
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(explain's own words up to the script included, the script's arguments as given): the
+    script's arguments are never parsed here, so a ``--`` after the script reaches it, as with
+    ``python script.py -- -x`` and ``python -m cProfile script.py -- -x``."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":  # the script follows
+            return argv[: i + 2], argv[i + 2:]
+        if not a.startswith("-") or a == "-":
+            return argv[: i + 1], argv[i + 1:]
+        # an option taking a value (argparse also takes an unambiguous prefix: "--max-syncs" as "--max-sy")
+        valued = [o for o in _VALUED if o.startswith(a)] if a.startswith("--") and "=" not in a else []
+        i += 2 if len(valued) == 1 else 1
+    return argv, []
 
 
 @contextlib.contextmanager
@@ -636,7 +657,9 @@ def _progress(counter: Any, interval: float, decisions: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI in-process; returns the exit status instead of exiting."""
     try:
-        ns = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+        own, script_args = _split_argv(sys.argv[1:] if argv is None else list(argv))
+        ns = _parser().parse_args(own)
+        ns.args = script_args
     except SystemExit as e:  # argparse: usage error (2) or --help (0)
         return _exit_code(e)
     try:
