@@ -134,27 +134,37 @@ def test_hook_added_to_a_module_inlined_around_a_hoisted_sync_runs(kind):
     Module.__call__, which runs a hook added between requests, as eager does. nosync removed the
     break, Dynamo inlined the child without guarding its empty hook dicts (nor the global ones), and
     the hook never ran (helper 140)."""
+    x = torch.ones(1, 4)
+
+    def requests(f, m):
+        r1 = f(x)
+        h = _add_hook(m, kind)
+        try:
+            r2 = f(x)
+        finally:
+            h.remove()
+        return [r1, r2, f(x)]
+
+    eager = _parent_eager_vs_nosync(requests, EAGER)
+    assert not torch.equal(eager[1], eager[0])  # the hook changed the result
+
+
+def _parent_eager_vs_nosync(requests, options):
+    """``requests(f, model)`` on a fresh _Parent, eagerly and compiled by nosync with
+    ``options`` (which hoists the child's sync): each output bitwise equal; the eager outputs."""
     torch._dynamo.reset()
     torchsync_pass.reset()
-    x = torch.ones(1, 4)
     results = {}
     try:
         for name in ("eager", "nosync"):
             m = _Parent()
-            f = m if name == "eager" else torch.compile(m, backend="nosync", options=EAGER)
+            f = m if name == "eager" else torch.compile(m, backend="nosync", options=options)
             with torch.no_grad():
-                r1 = f(x)
-                h = _add_hook(m, kind)
-                try:
-                    r2 = f(x)
-                finally:
-                    h.remove()
-                r3 = f(x)
-            results[name] = (r1, r2, r3)
-        for want, got in zip(results["eager"], results["nosync"]):
+                results[name] = requests(f, m)
+        for want, got in zip(results["eager"], results["nosync"], strict=True):
             assert torch.equal(got, want), (got, want)
-        assert not torch.equal(results["eager"][1], results["eager"][0])  # the hook changed the result
         assert any(d.action.name == "HOISTED" for d in torchsync_pass.decisions())
+        return results["eager"]
     finally:
         torch._dynamo.reset()
         torchsync_pass.reset()
@@ -199,3 +209,88 @@ def test_inductor_key_of_the_options_is_checked_as_plain_settings():
     with pytest.raises(NosyncOptionsError, match=r"options\['inductor'\]\['max_autotune'\] must be bool"):
         Options.from_dict({"inductor": (("max_autotune", "yes"),)})
     assert Options.from_dict({"inductor": (("max-autotune", True),)}).inductor == (("max_autotune", True),)
+
+
+@pytest.mark.parametrize("hook_at_compile", [False, True])
+def test_hook_removed_from_an_inlined_module_under_a_guard_filter_stops(hook_at_compile):
+    """Under keep_nosync_guards(skip_all_guards_unsafe) Dynamo's own guards on a hook dict that
+    has hooks are dropped: a hook removed after the compile that traced it kept running (stock with
+    the same filter breaks at the child's call and sees the removal; helper 142)."""
+    x = torch.ones(1, 4)
+
+    def requests(f, m):
+        outs = [] if hook_at_compile else [f(x)]
+        h = _add_hook(m, "child_pre")
+        outs.append(f(x))
+        h.remove()
+        return outs + [f(x)]
+
+    filt = torchsync_pass.keep_nosync_guards(torch.compiler.skip_all_guards_unsafe)
+    _parent_eager_vs_nosync(requests, {**EAGER, "guard_filter_fn": filt})
+
+
+_B = torch.tensor([1.0, -2.0, 3.0, 0.0])
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x, b):
+        return x * b.sum().item()
+
+
+def _built_in_step(x):
+    return _Scale()(x, _B) + 1
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_global_hook_reaches_a_module_built_in_the_step():
+    """A module built inside the step has no source: no hook guard was installed at all, not even
+    on the global hook dicts, and a global pre-hook added later never ran (helper 142)."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    x = torch.ones(4)
+    results = {}
+    try:
+        for name in ("eager", "nosync"):
+            f = _built_in_step if name == "eager" else torch.compile(_built_in_step, backend="nosync", options=EAGER)
+            outs = [f(x)]
+            h = torch.nn.modules.module.register_module_forward_pre_hook(
+                lambda mod, a: (a[0] * 10, *a[1:]) if isinstance(mod, _Scale) else None)
+            try:
+                outs.append(f(x))
+            finally:
+                h.remove()
+            outs.append(f(x))
+            results[name] = outs
+        for want, got in zip(results["eager"], results["nosync"]):
+            assert torch.equal(got, want), (got, want)
+        assert any(d.action.name == "HOISTED" for d in torchsync_pass.decisions())
+    finally:
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+
+
+def test_hook_guard_looks_a_shared_module_path_up_once():
+    """The generated hook check names each shared prefix of the modules' sources once (the layers
+    of one ModuleList), and tells a changed hook dict of any of them."""
+    from torchsync_pass.dynamo_hooks import _hooks_unchanged, _source_cuts
+
+    src = "L['self']._modules['layers']._modules['0']._modules['a.b']"
+    assert [src[:c] for c in _source_cuts(src)][-3:] == [
+        "L['self']._modules['layers']._modules", "L['self']._modules['layers']._modules['0']",
+        "L['self']._modules['layers']._modules['0']._modules"]
+    root = torch.nn.Module()
+    root.layers = torch.nn.ModuleList(torch.nn.Linear(1, 1) for _ in range(3))
+    root.layers[2].register_forward_hook(lambda *a: None)
+    entries = [(f"L['self']._modules['layers']._modules['{i}']",
+                tuple((n, tuple(getattr(root.layers[i], n))) for n in ("_forward_pre_hooks", "_forward_hooks")))
+               for i in range(3)]
+    check = _hooks_unchanged(entries, [])
+    L = {"self": root}
+    assert check(L, {})
+    h = root.layers[1].register_forward_pre_hook(lambda *a: None)
+    assert not check(L, {})
+    h.remove()
+    assert check(L, {})
+    root.layers[2]._forward_hooks.clear()
+    assert not check(L, {})
+    assert not check({"self": torch.nn.Module()}, {})  # a path that no longer resolves

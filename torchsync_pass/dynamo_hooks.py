@@ -321,10 +321,10 @@ _GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_gl
                       "_global_backward_hooks")
 
 
-def _inlined_modules(tx: Any) -> list[tuple[str, Any]]:
+def _inlined_modules(tx: Any) -> list[tuple[Optional[str], Any]]:
     """``(source, module)`` of each ``nn.Module`` whose method is being inlined between the
-    compiled frame and ``tx`` (each inlined frame's first argument, where it is a module that the
-    frame reaches from its inputs or globals: one built inside the step has no source)."""
+    compiled frame and ``tx`` (each inlined frame's first argument, where it is a module; the
+    source None for one the frame does not reach from its inputs or globals, built in the step)."""
     mods = []
     t, root = tx, tx.output.root_tx
     while t is not None and t is not root:
@@ -333,65 +333,123 @@ def _inlined_modules(tx: Any) -> list[tuple[str, Any]]:
         mod = getattr(vt, "value", None)
         if not isinstance(mod, torch.nn.Module) and getattr(vt, "module_key", None) is not None:
             mod = t.output.get_submodule(vt.module_key)  # a module Dynamo specialised
-        src = _source_name(getattr(vt, "source", None))
-        if isinstance(mod, torch.nn.Module) and src is not None:
-            mods.append((src, mod))
+        if isinstance(mod, torch.nn.Module):
+            mods.append((_source_name(getattr(vt, "source", None)), mod))
         t = getattr(t, "parent", None)
     return mods
 
 
+def _hook_state(d: Any) -> Optional[tuple]:
+    """What the hook guard compares for one hook dict: () while empty, else its keys (each hook's
+    handle id: a hook added or removed changes them). None for something that is not a dict."""
+    return tuple(d) if isinstance(d, dict) else None
+
+
 def _guard_inlined_module_hooks(tx: Any) -> None:
-    """Guard the hook dicts of the modules whose call Dynamo inlines around a sync: each one empty
-    at compile time must stay empty, as must the global hook dicts.
+    """Guard the hook dicts of the modules whose call Dynamo inlines around a sync, and the global
+    hook dicts: each must keep the hooks it had when traced (none, mostly).
 
     NOTE: stock Dynamo breaks the graph at the call of a module whose forward reaches a sync, and
-    calls that module through ``Module.__call__``, which runs hooks added later (eager does too).
-    nosync removes the break, so Dynamo inlines the module, and by default
+    calls that module through ``Module.__call__``, which runs the hooks it has at that call (eager
+    does too). nosync removes the break, so Dynamo inlines the module, and by default
     (``skip_nnmodule_hook_guards``) does not guard its empty hook dicts, nor the global ones: a
-    hook added between requests was never run (review 19, helper 140). One check per compile,
-    growing as sites are traced; a failure recompiles, and the new trace inlines the hooks."""
+    hook added between requests was never run (review 19, helper 140). The dicts that had hooks
+    are compared too: Dynamo guards them itself, but a guard filter (``keep_nosync_guards`` around
+    ``skip_all_guards_unsafe``) drops those guards and keeps ours (helper 142). A module built in
+    the step (no source) has no hooks of its own at a later call, but the global ones still run.
+    One check per compile, growing as sites are traced; a failure recompiles, and the new trace
+    inlines the hooks there are."""
     mods = _inlined_modules(tx)
     if not mods:
         return
     out = tx.output
     state = out.__dict__.get("_nosync_hook_guard")
     if state is None:
-        entries: list[tuple[str, tuple[str, ...]]] = []  # (module source, its hook dicts empty when traced)
+        import torch.nn.modules.module as module_py
+
+        globals_ = [(d, _hook_state(d)) for d in (getattr(module_py, n, None) for n in _GLOBAL_HOOK_DICTS)
+                    if _hook_state(d) is not None]
+        entries: list[tuple[str, tuple]] = []  # (module source, ((hook dict name, its state), ...))
         state = out.__dict__["_nosync_hook_guard"] = (set(), entries)
         built: list = []  # at the first call, when every site of the compile has added its modules
 
         def check(L: Any, G: Any) -> bool:
             if not built:
-                built.append(_hooks_still_empty(entries))
+                built.append(_hooks_unchanged(entries, globals_))
             return built[0](L, G)
 
-        _install_guard(out, "module_hooks", check, "nosync: no hook added to a module inlined around a "
-                       "hoisted sync (stock calls it eagerly, across the graph break), nor a global module hook")
+        _install_guard(out, "module_hooks", check, "nosync: the hooks of each module inlined around a "
+                       "hoisted sync (stock calls it eagerly, across the graph break), and the global module "
+                       "hooks, are those it had when traced")
     seen, entries = state
     for src, m in mods:
-        if src not in seen:
+        if src is not None and src not in seen:
             seen.add(src)
-            entries.append((src, tuple(n for n in _MODULE_HOOK_DICTS if not m.__dict__.get(n, True))))
+            dicts = tuple((n, st) for n in _MODULE_HOOK_DICTS if (st := _hook_state(m.__dict__.get(n))) is not None)
+            entries.append((src, dicts))
 
 
-def _hooks_still_empty(entries: list[tuple[str, tuple[str, ...]]]) -> Callable[[Any, Any], bool]:
-    """One generated function: True while each listed hook dict of each module (by its source) and
-    each global hook dict empty now is still empty; False where one is not, or a source no longer
-    resolves."""
-    import torch.nn.modules.module as module_py
+def _source_cuts(src: str) -> list[int]:
+    """Where ``src`` (a guard expression such as ``L['self']._modules['layers']._modules['0']``)
+    can be cut into a prefix that is an expression itself: before each ``.`` or ``[`` outside
+    brackets and quotes."""
+    cuts, depth, quote = [], 0, None
+    for i, ch in enumerate(src):
+        if quote is not None:
+            if ch == quote and src[i - 1] != "\\":
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[(":
+            if depth == 0 and ch == "[" and i > 0:
+                cuts.append(i)
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        elif ch == "." and depth == 0:
+            cuts.append(i)
+    return cuts
 
+
+def _hooks_unchanged(entries: list[tuple[str, tuple]], globals_: list[tuple[dict, tuple]]) -> Callable[[Any, Any], bool]:
+    """One generated function: True while each module's hook dicts (by the module's source) and
+    the global ones have the hooks they had when traced; False otherwise, or where a source no
+    longer resolves. Sources sharing a prefix (the layers of one ModuleList) look it up once."""
     env = guard_env()
+    # a variable for every prefix that two sources share, and for each source
+    uses: dict[str, int] = {}
+    for src, _ in entries:
+        for p in {src[:c] for c in _source_cuts(src)} | {src}:
+            uses[p] = uses.get(p, 0) + 1
+    named = sorted((p for p, n in uses.items() if n > 1 or any(p == src for src, _ in entries)), key=len)
+    var: dict[str, str] = {}
     lines = ["def check(L, G):", "    try:", "        pass"]
-    for src, names in entries:
-        if names:
-            lines.append(f"        d = ({src}).__dict__")
-            lines.append("        if " + " or ".join(f"d[{n!r}]" for n in names) + ":")
-            lines.append("            return False")
+    for p in named:
+        base = max((q for q in var if p.startswith(q) and p[len(q)] in ".["), key=len, default=None)
+        var[p] = f"_m{len(var)}"
+        lines.append(f"        {var[p]} = " + (var[base] + p[len(base):] if base is not None else p))
+    for i, (src, dicts) in enumerate(entries):
+        if not dicts:
+            continue
+        lines.append(f"        d = {var[src]}.__dict__")
+        tests = []
+        for n, st in dicts:
+            if st:
+                env[f"_k{i}_{n}"] = st
+                tests.append(f"tuple(d[{n!r}]) != _k{i}_{n}")
+            else:
+                tests.append(f"d[{n!r}]")
+        lines += ["        if " + " or ".join(tests) + ":", "            return False"]
     lines += ["    except Exception:", "        return False"]
-    empty = [d for d in (getattr(module_py, n, None) for n in _GLOBAL_HOOK_DICTS) if isinstance(d, dict) and not d]
-    for i, d in enumerate(empty):
-        env[f"_g{i}"] = d
-    lines.append("    return not (" + " or ".join(f"_g{i}" for i in range(len(empty))) + ")" if empty else "    return True")
+    tests = []
+    for j, (d, st) in enumerate(globals_):
+        env[f"_g{j}"] = d
+        if st:
+            env[f"_gk{j}"] = st
+            tests.append(f"tuple(_g{j}) != _gk{j}")
+        else:
+            tests.append(f"_g{j}")
+    lines.append("    return not (" + " or ".join(tests) + ")" if tests else "    return True")
     exec("\n".join(lines), env)  # noqa: S102 - sources are Dynamo guard expressions
     return env["check"]
 
