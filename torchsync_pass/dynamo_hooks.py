@@ -317,6 +317,7 @@ def _describe(tx: Any, var: Any, kind: str, options: dict) -> SyncSite:
 # the hook dicts Module._call_impl consults before it takes the plain path (the *_with_kwargs and
 # *_always_called dicts only qualify hooks that are in these)
 _MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_MODULE_CALL_NAMES = frozenset({"forward", "_call_impl", "_wrapped_call_impl", "__call__"})
 _GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
                       "_global_backward_hooks")
 
@@ -325,24 +326,36 @@ def _inlined_modules(tx: Any) -> list[tuple[Optional[str], Any]]:
     """``(source, module)`` of each ``nn.Module`` whose method is being inlined between the
     compiled frame and ``tx`` (each inlined frame's first argument, where it is a module; the
     source None for one the frame does not reach from its inputs or globals, built in the step)."""
-    mods = []
-    t, root = tx, tx.output.root_tx
-    while t is not None and t is not root:
+    def module_of(t: Any) -> tuple[Any, Any]:
         code = t.f_code
         vt = t.symbolic_locals.get(code.co_varnames[0]) if code.co_argcount else None
-        mod = getattr(vt, "value", None)
-        if not isinstance(mod, torch.nn.Module) and getattr(vt, "module_key", None) is not None:
-            mod = t.output.get_submodule(vt.module_key)  # a module Dynamo specialised
-        if isinstance(mod, torch.nn.Module):
+        # NOTE: read from the tracker's own attributes: ``value`` is a property on some trackers
+        # (a list's evaluates it as a constant and raises for one holding tensors)
+        own = vars(vt) if vt is not None and hasattr(vt, "__dict__") else {}
+        mod = own.get("value")
+        if not isinstance(mod, torch.nn.Module) and own.get("module_key") is not None:
+            mod = t.output.get_submodule(own["module_key"])  # a module Dynamo specialised
+        return (vt, mod) if isinstance(mod, torch.nn.Module) else (vt, None)
+
+    mods = []
+    t, root = tx, tx.output.root_tx
+    _, root_mod = module_of(root)
+    while t is not None and t is not root:
+        vt, mod = module_of(t)
+        # a module *called* (its forward, or _call_impl where it has hooks): a plain method call
+        # (self.encode(x)) runs no hook in stock either; the compiled frame's own module runs its
+        # hooks outside the frame
+        if mod is not None and mod is not root_mod and t.f_code.co_name in _MODULE_CALL_NAMES:
             mods.append((_source_name(getattr(vt, "source", None)), mod))
         t = getattr(t, "parent", None)
     return mods
 
 
 def _hook_state(d: Any) -> Optional[tuple]:
-    """What the hook guard compares for one hook dict: () while empty, else its keys (each hook's
-    handle id: a hook added or removed changes them). None for something that is not a dict."""
-    return tuple(d) if isinstance(d, dict) else None
+    """What the hook guard compares for one hook dict: () while empty, else its items (each hook's
+    handle id and the hook: a hook added, removed or put in another's place changes them). None for
+    something that is not a dict."""
+    return tuple(d.items()) if isinstance(d, dict) else None
 
 
 def _guard_inlined_module_hooks(tx: Any) -> None:
@@ -393,10 +406,14 @@ def _source_cuts(src: str) -> list[int]:
     """Where ``src`` (a guard expression such as ``L['self']._modules['layers']._modules['0']``)
     can be cut into a prefix that is an expression itself: before each ``.`` or ``[`` outside
     brackets and quotes."""
-    cuts, depth, quote = [], 0, None
+    cuts, depth, quote, escaped = [], 0, None, False
     for i, ch in enumerate(src):
         if quote is not None:
-            if ch == quote and src[i - 1] != "\\":
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
                 quote = None
         elif ch in "'\"":
             quote = ch
@@ -419,7 +436,7 @@ def _hooks_unchanged(entries: list[tuple[str, tuple]], globals_: list[tuple[dict
     # a variable for every prefix that two sources share, and for each source
     uses: dict[str, int] = {}
     for src, _ in entries:
-        for p in {src[:c] for c in _source_cuts(src)} | {src}:
+        for p in {src[:c] for c in _source_cuts(src) if not src[:c].isidentifier()} | {src}:  # not L or G
             uses[p] = uses.get(p, 0) + 1
     named = sorted((p for p, n in uses.items() if n > 1 or any(p == src for src, _ in entries)), key=len)
     var: dict[str, str] = {}
@@ -436,7 +453,7 @@ def _hooks_unchanged(entries: list[tuple[str, tuple]], globals_: list[tuple[dict
         for n, st in dicts:
             if st:
                 env[f"_k{i}_{n}"] = st
-                tests.append(f"tuple(d[{n!r}]) != _k{i}_{n}")
+                tests.append(f"tuple(d[{n!r}].items()) != _k{i}_{n}")
             else:
                 tests.append(f"d[{n!r}]")
         lines += ["        if " + " or ".join(tests) + ":", "            return False"]
@@ -446,7 +463,7 @@ def _hooks_unchanged(entries: list[tuple[str, tuple]], globals_: list[tuple[dict
         env[f"_g{j}"] = d
         if st:
             env[f"_gk{j}"] = st
-            tests.append(f"tuple(_g{j}) != _gk{j}")
+            tests.append(f"tuple(_g{j}.items()) != _gk{j}")
         else:
             tests.append(f"_g{j}")
     lines.append("    return not (" + " or ".join(tests) + ")" if tests else "    return True")
