@@ -113,9 +113,9 @@ class _Child(torch.nn.Module):
 
 
 class _Parent(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, child=None):
         super().__init__()
-        self.c = _Child()
+        self.c = _Child() if child is None else child
 
     def forward(self, x):
         return self.c(x) + 1
@@ -349,6 +349,42 @@ def test_sites_in_methods_not_module_calls_install_no_hook_guard():
         with torch.no_grad():
             assert torch.equal(torch.compile(p, backend="nosync", options=EAGER)(x), p(x))
         assert len(_hook_guards()) == 1
+    finally:
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+
+
+class _BreakingChild(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.ones(3))
+
+    def forward(self, x):
+        if self.b.sum() > 0:  # hoisted
+            x = x + 1
+        torch._dynamo.graph_break()  # Dynamo then breaks at this module's call and compiles it alone
+        return x * 2
+
+
+
+def test_site_traced_in_two_frames_evaluates_its_cone_once():
+    """The child's site is traced inlined in the parent's frame, then again in the child's own frame
+    after the graph break below it: two cones (their leaves have other sources) with a memo each,
+    so two reads on the first call where stock makes one (helper 144: diffusers' FasterCache
+    hooks, 59 reads a request against stock's 48). Cones of one site computing the same ops now
+    share their memos."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    x = torch.ones(3)
+    try:
+        m = _Parent(_BreakingChild())
+        f = torch.compile(m, backend="nosync", options=EAGER)
+        with torchsync_pass.count_syncs() as c:
+            out = f(x)
+        assert torch.equal(out, m(x))
+        assert c.total + c.compile_time == 1, (c.total, c.compile_time)
+        m.c.b.fill_(-1.0)  # a write to the leaf: the shared memo does not serve the old answer
+        assert torch.equal(f(x), m(x))
     finally:
         torch._dynamo.reset()
         torchsync_pass.reset()

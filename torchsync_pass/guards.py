@@ -562,6 +562,9 @@ class SiteState:
     source: str
     code_name: str
     cones: dict = field(default_factory=dict)  # fingerprint -> ConeState
+    # (ops signature, default dtype, declared leaves, kind) -> the memos (bits_state() -> ConeMemo)
+    # of every cone computing that: see ConeState.memos
+    memo_sets: dict = field(default_factory=dict)
     demoted: Optional[Reason] = None
     guard_syncs: int = 0
     guard_hits: int = 0
@@ -721,6 +724,15 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     cone = state.cones.get(fp)
     if cone is None:
         cone = ConeState(result, site.kind, state.site)
+        # NOTE: cones of one site that differ only in their leaves' sources share their memos:
+        # the same ops on the same tensor objects (the memo matches leaves by identity and
+        # version) give the same value. One site traced in several frames (a hook's forward
+        # inlined, then compiled on its own after a graph break there; diffusers' FasterCache
+        # hooks) evaluated its cone once per frame: more reads on the first call than stock's.
+        ops = tuple((op, None if op == "placeholder" else target, args)  # placeholders: named by source
+                    for op, target, args in result.signature)
+        cone.memos = state.memo_sets.setdefault(
+            (ops, result.default_dtype, tuple(l.declared for l in result.leaves), site.kind), {})
         state.cones[fp] = cone
     bits = bits_state()
     try:
