@@ -388,3 +388,51 @@ def test_site_traced_in_two_frames_evaluates_its_cone_once():
     finally:
         torch._dynamo.reset()
         torchsync_pass.reset()
+
+
+class _ScaleLayer(torch.nn.Module):
+    def __init__(self, v):
+        super().__init__()
+        self.register_buffer("s", torch.tensor(float(v)))
+
+    def forward(self, x):
+        return x * self.s.item()  # one source line, one cone per layer
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self, k, n=5):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_ScaleLayer(i + k) for i in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _serve(m, x):
+    return m(x)
+
+
+def test_layer_loop_cones_keep_their_own_memos():
+    """A layer loop asks one question per layer on one source line. The first form of the memo
+    sharing (53d622b) gave all those cones one 8-entry memo: one compiled step serving two models
+    of 5 layers in turn evicted its own answers, demoted every site and read 100 times in 10 calls
+    (stock 50, before 0; helper 147)."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    m1, m2, x = _Layers(1), _Layers(2), torch.ones(2)
+    f = torch.compile(_serve, backend="nosync", options=EAGER)
+    try:
+        for _ in range(3):
+            f(m1, x)
+            f(m2, x)
+        want = [m(x) for m in (m1, m2)]
+        with torchsync_pass.count_syncs() as c:
+            got = [f((m1, m2)[i % 2], x) for i in range(10)]
+        assert c.total == 0
+        assert all(torch.equal(g, want[i % 2]) for i, g in enumerate(got))
+        assert {d.action.name for d in torchsync_pass.decisions()} == {"HOISTED"}
+    finally:
+        torch._dynamo.reset()
+        torchsync_pass.reset()

@@ -469,6 +469,7 @@ class ConeState:
     last_miss: Optional[_Entry] = None
     memos: dict = field(default_factory=dict)  # bits_state() -> ConeMemo
     streak_keys: set = field(default_factory=set)  # values the guard computed during the streak
+    share_key: tuple = ()  # what it computes, its leaves' sources aside: see _from_another_cone
 
     def __post_init__(self) -> None:
         forgettable(self)
@@ -562,9 +563,6 @@ class SiteState:
     source: str
     code_name: str
     cones: dict = field(default_factory=dict)  # fingerprint -> ConeState
-    # (ops signature, default dtype, declared leaves, kind) -> the memos (bits_state() -> ConeMemo)
-    # of every cone computing that: see ConeState.memos
-    memo_sets: dict = field(default_factory=dict)
     demoted: Optional[Reason] = None
     guard_syncs: int = 0
     guard_hits: int = 0
@@ -724,19 +722,16 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     cone = state.cones.get(fp)
     if cone is None:
         cone = ConeState(result, site.kind, state.site)
-        # NOTE: cones of one site that differ only in their leaves' sources share their memos:
-        # the same ops on the same tensor objects (the memo matches leaves by identity and
-        # version) give the same value. One site traced in several frames (a hook's forward
-        # inlined, then compiled on its own after a graph break there; diffusers' FasterCache
-        # hooks) evaluated its cone once per frame: more reads on the first call than stock's.
         ops = tuple((op, None if op == "placeholder" else target, args)  # placeholders: named by source
                     for op, target, args in result.signature)
-        cone.memos = state.memo_sets.setdefault(
-            (ops, result.default_dtype, tuple(l.declared for l in result.leaves), site.kind), {})
+        cone.share_key = (ops, result.default_dtype, tuple(l.declared for l in result.leaves), site.kind)
         state.cones[fp] = cone
     bits = bits_state()
     try:
-        entry, _ = cone.current(leaves, cone.memo_for(bits))
+        memo = cone.memo_for(bits)
+        entry = _from_another_cone(state, cone, leaves, memo, bits)
+        if entry is None:
+            entry, _ = cone.current(leaves, memo)
     except UnhoistableValue as e:  # evaluated fine: a value nosync cannot key (a complex .item())
         return _reject(state, Reason.UNSUPPORTED_VALUE, str(e), compile_id)
     except Exception as e:
@@ -795,6 +790,29 @@ def _count_recompile(site: dynamo_hooks.SyncSite, compile_id: Optional[str]) -> 
                 return
             _recompiles_seen[key] = site.frame_code
         counters()["recompiles"] += 1
+
+
+def _from_another_cone(state: SiteState, cone: "ConeState", leaves: tuple, memo: "ConeMemo",
+                       bits: tuple) -> Optional[_Entry]:
+    """At a compile, where ``cone``'s own memo has no value for ``leaves``: the value another cone
+    of the site computing the same ops (``share_key``) holds for these very tensors, stored in
+    ``memo`` too; else None.
+
+    NOTE: one site traced in several frames (a hook's forward inlined into its caller, then
+    compiled on its own after a graph break in it: diffusers' FasterCache) has a cone per frame,
+    their leaves named by other sources; each evaluated on the first call, reading more than stock
+    (review 19, helper 144). The memos themselves stay apart: a layer loop's cones (one line, one
+    buffer per layer) sharing one memo evicted each other (helper 147)."""
+    if memo.lookup(leaves) is not None:
+        return None  # its own memo answers
+    for other in list(state.cones.values()):
+        if other is cone or other.share_key != cone.share_key:
+            continue
+        theirs = other.memos.get(bits)
+        e = theirs.lookup(leaves) if theirs is not None else None
+        if e is not None:
+            return memo.store(leaves, e.key, e.value, e.fps)
+    return None
 
 
 def _reject(state: SiteState, reason: Reason, detail: str, compile_id: Optional[str]) -> tuple[bool, Any]:
