@@ -323,9 +323,10 @@ _GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_gl
 
 
 def _inlined_modules(tx: Any) -> list[tuple[Optional[str], Any]]:
-    """``(source, module)`` of each ``nn.Module`` whose method is being inlined between the
-    compiled frame and ``tx`` (each inlined frame's first argument, where it is a module; the
-    source None for one the frame does not reach from its inputs or globals, built in the step)."""
+    """``(source, module)`` of each ``nn.Module`` *called* between the compiled frame and ``tx``:
+    an inlined ``forward`` (or ``_call_impl``, where the module has hooks) whose first argument is a
+    module other than the compiled frame's own; the source None for a module the frame does not
+    reach from its inputs or globals (built in the step)."""
     def module_of(t: Any) -> tuple[Any, Any]:
         code = t.f_code
         vt = t.symbolic_locals.get(code.co_varnames[0]) if code.co_argcount else None
