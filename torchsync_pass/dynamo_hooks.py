@@ -390,7 +390,15 @@ def _guard_inlined_module_hooks(tx: Any) -> None:
         def check(L: Any, G: Any) -> bool:
             if not built:
                 built.append(_hooks_unchanged(entries, globals_))
-            return built[0](L, G)
+            if built[0](L, G):
+                return True
+            from .guards import _FAILURES
+
+            # what the recompile reason says (the group's failure_reason reads it)
+            check.failure = (next(_FAILURES), "nosync: a hook was added to or removed from a module called "
+                             "around a hoisted sync, or a global module hook (stock calls such a module "
+                             "across its graph break, running the hooks it has)")
+            return False
 
         _install_guard(out, "module_hooks", check, "nosync: the hooks of each module inlined around a "
                        "hoisted sync (stock calls it eagerly, across the graph break), and the global module "
