@@ -443,19 +443,14 @@ def test_recompile_reason_of_an_added_hook_names_the_hook():
     hoisted sync no longer resolves" (explain printed it for a hook added between requests)."""
     from torchsync_pass import dynamo_hooks
 
-    torch._dynamo.reset()
-    torchsync_pass.reset()
-    x = torch.ones(1, 4)
-    try:
-        m = _Parent()
-        f = torch.compile(m, backend="nosync", options=EAGER)
-        with torch.no_grad():
-            f(x)
-            m.c.register_forward_pre_hook(lambda mod, a: (a[0] * 10,))
-            assert torch.equal(f(x), m(x))
-        reasons = [g.failure_reason() for g in dynamo_hooks._groups()
-                   if any("hooks of each module" in d for d in g.descriptions)]
-        assert reasons and "a hook was added to or removed from a module" in reasons[0], reasons
-    finally:
-        torch._dynamo.reset()
-        torchsync_pass.reset()
+    def requests(f, m):
+        outs = [f(x)]
+        m.c.register_forward_pre_hook(lambda mod, a: (a[0] * 10,))
+        outs.append(f(x))
+        reasons.extend(g.failure_reason() for g in dynamo_hooks._groups()
+                       if any("hooks of each module" in d for d in g.descriptions))
+        return outs
+
+    x, reasons = torch.ones(1, 4), []
+    _parent_eager_vs_nosync(requests, EAGER)
+    assert reasons and "a hook was added to or removed from a module" in reasons[0], reasons
