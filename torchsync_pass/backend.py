@@ -118,13 +118,15 @@ def _check(name: str, value: Any) -> Any:
     if name == "inductor":  # ((name, value), ...) carried over by NosyncBackend.merged_options
         if not isinstance(value, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in value):
             raise bad("Inductor settings as ((name, value), ...); pass them as plain options instead")
-        known = _torch_private.inductor_config_names()
+        known, named = _torch_private.inductor_config_names(), []
         for setting, v in value:  # checked as the plain options they stand for
-            if not isinstance(setting, str) or setting.replace("-", "_") not in known:
+            name = setting.replace("-", "_") if isinstance(setting, str) else None
+            if name not in known:
                 raise NosyncOptionsError(f"nosync: options['inductor'] names {setting!r}, which is not an "
                                          "Inductor setting (torch._inductor.config names such as 'max_autotune')")
-            _check_inductor_setting(f"options['inductor'][{setting!r}]", setting.replace("-", "_"), v)
-        return tuple((setting.replace("-", "_"), v) for setting, v in value)
+            _check_inductor_setting(f"options['inductor'][{setting!r}]", name, v)
+            named.append((name, v))
+        return tuple(named)
     if name == "invariant_cache_bytes":
         if value is None:
             return value

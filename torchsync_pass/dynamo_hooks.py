@@ -443,11 +443,12 @@ def _hooks_unchanged(entries: list[tuple[str, tuple]], globals_: list[tuple[dict
     longer resolves. Sources sharing a prefix (the layers of one ModuleList) look it up once."""
     env = guard_env()
     # a variable for every prefix that two sources share, and for each source
+    sources = {src for src, _ in entries}
     uses: dict[str, int] = {}
-    for src, _ in entries:
+    for src in sources:
         for p in {src[:c] for c in _source_cuts(src) if not src[:c].isidentifier()} | {src}:  # not L or G
             uses[p] = uses.get(p, 0) + 1
-    named = sorted((p for p, n in uses.items() if n > 1 or any(p == src for src, _ in entries)), key=len)
+    named = sorted((p for p, n in uses.items() if n > 1 or p in sources), key=len)
     var: dict[str, str] = {}
     lines = ["def check(L, G):", "    try:", "        pass"]
     for p in named:
@@ -499,12 +500,42 @@ def _later_twins(tx: Any, inst: Any) -> int:
                and (pos := getattr(x, "positions", None)) is not None and (pos.lineno, pos.col_offset) == at)
 
 
-# (id of the frame's code, isolate_recompiles region) -> (that code, the compile ids of its compiles
-# so far, in order). NOTE: keyed by identity, as Dynamo keeps its cache: code objects compare equal
-# by content (a ``code.replace()`` copy, as benchmarks/ab.py's isolate makes; functions exec'd from
-# one text), and equal copies counted as one frame reached the budget together (step_overhead.py:
-# every nosync variant demoted, 2x the hoisted step). The code is held, so its id stays its own.
-_REGION_COMPILES: dict = {}
+class CodeMap:
+    """A mapping keyed by code objects' *identity*, holding them weakly (an entry goes with its
+    code). Code objects compare equal by content (a ``code.replace()`` copy, functions exec'd from
+    one text), but each is a frame of its own to Dynamo, with its own cache entries."""
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def _drop(self, k: int, ref: weakref.ref) -> None:
+        e = self._d.get(k)
+        if e is not None and e[0] is ref:  # not a newer code that took the same id
+            self._d.pop(k, None)
+
+    def setdefault(self, code: types.CodeType, default: Any) -> Any:
+        k = id(code)
+        e = self._d.get(k)
+        if e is None or e[0]() is not code:
+            e = self._d[k] = (weakref.ref(code, lambda r, k=k: self._drop(k, r)), default)
+        return e[1]
+
+    def get(self, code: types.CodeType, default: Any = None) -> Any:
+        e = self._d.get(id(code))
+        return e[1] if e is not None and e[0]() is code else default
+
+    def items(self) -> list[tuple[types.CodeType, Any]]:
+        return [(c, v) for r, v in list(self._d.values()) if (c := r()) is not None]
+
+    def clear(self) -> None:
+        self._d.clear()
+
+
+# frame code (by identity, as Dynamo keeps its cache) -> {isolate_recompiles region: the compile ids
+# of its compiles so far, in order}. NOTE: code objects compare equal by content (a ``code.replace()``
+# copy, as benchmarks/ab.py's isolate makes), and equal copies counted as one frame reached the
+# budget together (step_overhead.py: every nosync variant demoted, 2x the hoisted step).
+_REGION_COMPILES = CodeMap()
 _REGION_COMPILES_LOCK = threading.Lock()
 
 
@@ -521,7 +552,7 @@ def _frame_compile_index(code: Any) -> tuple[int, int]:
     entries, region = compiled_entries(code)
     cid = str(CompileContext.current_compile_id())
     with _REGION_COMPILES_LOCK:
-        seen = _REGION_COMPILES.setdefault((id(code), region), (code, []))[1]
+        seen = _REGION_COMPILES.setdefault(code, {}).setdefault(region, [])
         if cid not in seen:
             seen.append(cid)
         before = seen.index(cid)
@@ -2297,6 +2328,17 @@ def attribute_written_selects() -> list:
     return uses
 
 
+# dtypes whose truthiness a select's nonzero test (``torch.ne(t, 0)``) would not give as bool() does
+_UNSELECTABLE_TESTS = {
+    torch.uint64: "the test is a uint64 tensor: bool() raises on a value of 2**63 or more (it does not "
+                  "fit int64), a select would not",
+    getattr(torch, "float8_e8m0fnu", None): "the test is a float8_e8m0fnu tensor: the type has no zero (0 "
+    "converts to 2**-127), so every value is true to bool() while a select's nonzero test is false for "
+    "2**-127 (review 19)",
+}
+_UNSELECTABLE_TESTS.pop(None, None)  # a torch without e8m0
+
+
 def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Optional[SyncSite]) -> bool:
     """Trace the jump at ``inst`` on a step-varying tensor test as a select between its arms (see
     Note [Rewriting a branch as a select]). True when done: the test is popped and the translator
@@ -2315,14 +2357,9 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
     if name is not None:
         _rewriter.refuse_branch(site, "BRANCH_VALUES", f"the test is a {name}: its own __bool__ would not run")
         return False
-    if ex.dtype == torch.uint64:
-        _rewriter.refuse_branch(site, "BRANCH_VALUES", "the test is a uint64 tensor: bool() raises on a value "
-                                "of 2**63 or more (it does not fit int64), a select would not")
-        return False
-    if ex.dtype is getattr(torch, "float8_e8m0fnu", None):
-        _rewriter.refuse_branch(site, "BRANCH_VALUES", "the test is a float8_e8m0fnu tensor: the type has no "
-                                "zero (0 converts to 2**-127), so every value is true to bool() while a "
-                                "select's nonzero test is false for 2**-127 (review 19)")
+    why = _UNSELECTABLE_TESTS.get(ex.dtype)
+    if why is not None:
+        _rewriter.refuse_branch(site, "BRANCH_VALUES", why)
         return False
     use = RewriteUse("branch", "", 0)
     try:
@@ -3103,37 +3140,6 @@ def inline_wrapper_of(compiled: Any) -> Any:
     except (ValueError, TypeError):
         return None
     return inner if getattr(inner, "__code__", None) is wrap_inline_code() else None
-
-
-class CodeMap:
-    """A mapping keyed by code objects' *identity*, holding them weakly (an entry goes with its
-    code). Code objects compare equal by content (a ``code.replace()`` copy, functions exec'd from
-    one text), but each is a frame of its own to Dynamo, with its own cache entries."""
-
-    def __init__(self) -> None:
-        self._d: dict[int, tuple[weakref.ref, Any]] = {}
-
-    def _drop(self, k: int, ref: weakref.ref) -> None:
-        e = self._d.get(k)
-        if e is not None and e[0] is ref:  # not a newer code that took the same id
-            self._d.pop(k, None)
-
-    def setdefault(self, code: types.CodeType, default: Any) -> Any:
-        k = id(code)
-        e = self._d.get(k)
-        if e is None or e[0]() is not code:
-            e = self._d[k] = (weakref.ref(code, lambda r, k=k: self._drop(k, r)), default)
-        return e[1]
-
-    def get(self, code: types.CodeType, default: Any = None) -> Any:
-        e = self._d.get(id(code))
-        return e[1] if e is not None and e[0]() is code else default
-
-    def items(self) -> list[tuple[types.CodeType, Any]]:
-        return [(c, v) for r, v in list(self._d.values()) if (c := r()) is not None]
-
-    def clear(self) -> None:
-        self._d.clear()
 
 
 def code_key(code: types.CodeType) -> tuple:

@@ -729,9 +729,8 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     bits = bits_state()
     try:
         memo = cone.memo_for(bits)
-        entry = _from_another_cone(state, cone, leaves, memo, bits)
-        if entry is None:
-            entry, _ = cone.current(leaves, memo)
+        entry = (memo.lookup(leaves) or _from_another_cone(state, cone, leaves, memo, bits)
+                 or cone.evaluate(leaves, memo))
     except UnhoistableValue as e:  # evaluated fine: a value nosync cannot key (a complex .item())
         return _reject(state, Reason.UNSUPPORTED_VALUE, str(e), compile_id)
     except Exception as e:
@@ -765,7 +764,7 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     return True, value
 
 
-_recompiles_seen: dict = {}  # (id(frame code), compile id) -> the code
+_recompiles_seen = dynamo_hooks.CodeMap()  # frame code -> the compile ids counted
 
 
 def syncing_op_in_cone(state: SiteState, result: ConeResult, compile_id: Optional[str]) -> Optional[tuple[bool, Any]]:
@@ -784,17 +783,17 @@ def syncing_op_in_cone(state: SiteState, result: ConeResult, compile_id: Optiona
 def _count_recompile(site: dynamo_hooks.SyncSite, compile_id: Optional[str]) -> None:
     """counters['nosync']['recompiles']: compiles of a nosync frame after its first one."""
     if site.frame_compile > 0 and compile_id is not None:
-        key = (id(site.frame_code), compile_id)  # the code held: its id stays its own
         with _lock:
-            if key in _recompiles_seen:
+            seen = _recompiles_seen.setdefault(site.frame_code, set())
+            if compile_id in seen:
                 return
-            _recompiles_seen[key] = site.frame_code
+            seen.add(compile_id)
         counters()["recompiles"] += 1
 
 
 def _from_another_cone(state: SiteState, cone: "ConeState", leaves: tuple, memo: "ConeMemo",
                        bits: tuple) -> Optional[_Entry]:
-    """At a compile, where ``cone``'s own memo has no value for ``leaves``: the value another cone
+    """At a compile, where ``cone``'s own memo has no value for ``leaves`` (asked first): the value another cone
     of the site computing the same ops (``share_key``) holds for these very tensors, stored in
     ``memo`` too; else None.
 
@@ -803,8 +802,6 @@ def _from_another_cone(state: SiteState, cone: "ConeState", leaves: tuple, memo:
     their leaves named by other sources; each evaluated on the first call, reading more than stock
     (review 19, helper 144). The memos themselves stay apart: a layer loop's cones (one line, one
     buffer per layer) sharing one memo evicted each other (helper 147)."""
-    if memo.lookup(leaves) is not None:
-        return None  # its own memo answers
     for other in list(state.cones.values()):
         if other is cone or other.share_key != cone.share_key:
             continue
@@ -1227,7 +1224,7 @@ class SiteCheck:
 #    (demote_hidden_writes, asked by the backend once the whole graph is known).
 # Rules 3-5 spare a site whose leaves are all declared: the user promised they stay fixed.
 MISS_STREAK_DEMOTE = 3
-_budget_frames: dict = {}  # (id(frame code), region) -> the code
+_budget_frames = dynamo_hooks.CodeMap()  # frame code -> the isolate_recompiles regions out of budget
 # Demotions so far: a guard's fast path answers only while none happened since its checks last
 # passed (every demotion goes through _demote).
 _DEMOTIONS = [0]
@@ -1251,13 +1248,13 @@ def _budget_exhausted(site: dynamo_hooks.SyncSite) -> bool:
     """
     # per code object (by identity, as Dynamo's cache: equal copies are frames of their own) and
     # isolate_recompiles region, as Dynamo's limit
-    key = (id(site.frame_code), site.frame_region)
-    if key in _budget_frames:
+    regions = _budget_frames.setdefault(site.frame_code, set())
+    if site.frame_region in regions:
         return True
     # recompile_limit 1 leaves no recompile for a value that changes: nothing is hoisted (with a
     # hoist, Dynamo would run every later request's frame uncompiled, after the guard's sync)
     if site.frame_compile >= dynamo_hooks.recompile_limit() // 2:
-        _budget_frames[key] = site.frame_code  # held: its id stays its own
+        regions.add(site.frame_region)
         return True
     return False
 
