@@ -20,6 +20,7 @@ import functools
 import inspect
 import itertools
 import logging
+import os
 import re
 import types
 import warnings
@@ -235,6 +236,7 @@ class _Entry:
     real: dict  # its parameters -> this call's arguments
     structural: dict  # its parameters -> _Slot (or an object the wrappers add: a bound self)
     levels: dict  # code_key of each function on the way -> its parameters -> _Slot
+    fn: Any = None  # the function itself
 
 
 def _bind(fn: Any, args: tuple, kwargs: dict) -> Optional[dict]:
@@ -283,12 +285,14 @@ def _entry_scope(call: Optional[tuple] = None) -> Optional[_Entry]:
     for fn, a, k in _unwrapping(fn, *slots):
         if isinstance(fn, types.FunctionType) and (bound := _bind(fn, a, k)) is not None:
             levels[dynamo_hooks.code_key(fn.__code__)] = bound
-    if not isinstance(fn, types.FunctionType) or _opaque(fn):
+    # NOTE: a functools.wraps wrapper the unwrapping stopped at (it rebuilds its ``*args``) is the
+    # function whose names count, not a hidden one: its ``__wrapped__`` says what it wraps
+    if not isinstance(fn, types.FunctionType) or (_opaque(fn) and not hasattr(fn, "__wrapped__")):
         return None
     structural = levels.get(dynamo_hooks.code_key(fn.__code__))
     if structural is None:
         return None
-    return _Entry(fn.__code__, {p: _fill(v, args, kwargs) for p, v in structural.items()}, structural, levels)
+    return _Entry(fn.__code__, {p: _fill(v, args, kwargs) for p, v in structural.items()}, structural, levels, fn)
 
 
 def _unwrapping(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Iterator[tuple[Any, tuple, dict]]:
@@ -431,7 +435,8 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
             continue
         args = _arg_names(where)
         message = (f"nosync: options['invariant'] names {name!r}, but {problems[0]} "
-                   f"({where.co_name} takes: {', '.join(args) or 'no arguments'})")
+                   f"({where.co_name} takes: {', '.join(args) or 'no arguments'})"
+                   f"{_wrapper_hint(entry, name)}")
         if opts.strict:
             raise NosyncOptionsError(message + "; options['strict'] is True")
         key = (dynamo_hooks.code_key(where), name)
@@ -439,6 +444,29 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
             _warned.add(key)
             warnings.warn(message, stacklevel=2)  # seen by warning filters and ``pytest -W error``
             log.warning("%s", message)
+
+
+def _wrapper_hint(entry: Optional[_Entry], name: str) -> str:
+    """For a name of the function a ``functools.wraps`` wrapper wraps, where the wrapper rebuilds
+    its ``*args`` (so its own names count): how to declare it by the wrapper's path."""
+    fn = entry.fn if entry is not None else None
+    if fn is None or not _pass_on_shape(fn.__code__):
+        return ""
+    try:
+        inner = inspect.signature(inspect.unwrap(fn), follow_wrapped=False)
+    except (TypeError, ValueError):
+        return ""
+    head = name.split(".")[0]
+    if head not in inner.parameters:
+        return ""
+    pos = list(inner.parameters).index(head) - bool(fn.__code__.co_argcount)  # after the receiver
+    rest = name[len(head):]
+    code = fn.__code__
+    where = f"{code.co_name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+    return (f"; the function compiled is a functools.wraps wrapper ({where}) around "
+            f"{inspect.unwrap(fn).__qualname__} that "
+            f"rebuilds its *args, so the names are its own: declare 'kwargs.{head}{rest}' (passed by "
+            f"keyword)" + (f" or 'args.{pos}{rest}' (passed by position)" if pos >= 0 else ""))
 
 
 def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = True) -> Optional[str]:

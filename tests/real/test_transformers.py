@@ -94,3 +94,46 @@ def test_generate_where_transformers_masks_differently_under_compile(case):
     assert len(logits["nosync"]) == len(logits["stock"]) == 5
     for a, b in zip(logits["nosync"], logits["stock"]):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_a_transformers_models_inputs_are_declared_by_the_config_defaults_wrappers_names():
+    """transformers 5 wraps every model's ``forward`` in ``@merge_with_config_defaults`` (a
+    ``functools.wraps`` wrapper that rebinds ``args``): its own names count. ``kwargs.attention_mask``
+    declares the mask (the work computed from it is cached), and ``attention_mask`` is refused under
+    strict with the wrapper's paths in the message."""
+    import copy
+
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=32, type_vocab_size=3)
+    model = BertModel(cfg).eval()
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 7:] = 0
+    try:
+        for invariant in (["kwargs.attention_mask"], ["attention_mask"]):
+            torch._dynamo.reset()
+            torchsync_pass.reset()
+            counters.clear()
+            step = torch.compile(copy.deepcopy(model), backend="nosync",
+                                 options={"codegen": "eager", "invariant": invariant, "strict": True})
+            with torch.no_grad():
+                ids = torch.randint(0, 50, (2, 10))
+                if invariant == ["attention_mask"]:
+                    with pytest.raises(torchsync_pass.NosyncOptionsError, match="'kwargs.attention_mask'"):
+                        step(input_ids=ids, attention_mask=mask)
+                    continue
+                for _ in range(3):
+                    ids = torch.randint(0, 50, (2, 10))
+                    out = step(input_ids=ids, attention_mask=mask)
+                    ref = model(input_ids=ids, attention_mask=mask)
+                    assert torch.equal(out.last_hidden_state, ref.last_hidden_state)
+            leaves = {leaf for d in torchsync_pass.decisions() if d.kind == "tensor" for leaf in d.leaves}
+            assert "kwargs.attention_mask" in leaves, leaves
+            assert counters["nosync"]["invariant_hits"] >= 2
+    finally:
+        torch._dynamo.reset()
+        torchsync_pass.reset()
