@@ -1133,6 +1133,12 @@ class SiteCheck:
             if wheres and not names.still_declared(wheres, leaves):
                 last[0] = None
                 return first._fail_undeclared() or failed()
+            # A demoted site fails the entry without a read: before any other site's cone runs (a
+            # live site's re-run, one sync, would be wasted on an entry that fails anyway)
+            for chk, _ in plans:
+                if chk.state.demoted is not None and not chk._own_compile():
+                    last[0] = None
+                    return chk._fail_demoted() or failed()
             for chk, idx in plans:
                 if not chk.check_leaves(tuple([leaves[i] for i in idx])):
                     last[0] = None

@@ -137,3 +137,61 @@ def test_a_transformers_models_inputs_are_declared_by_the_config_defaults_wrappe
     finally:
         torch._dynamo.reset()
         torchsync_pass.reset()
+
+
+def _vl_request(seed, grid, inference):
+    """A prefill request of the example's Qwen2-VL with an image of ``grid`` (t, h, w patches),
+    its tensors made under inference mode when ``inference``."""
+    import torch
+
+    with torch.inference_mode(inference):
+        g = torch.Generator().manual_seed(seed)
+        t, h, w = grid
+        ids = torch.cat([torch.randint(3, 60, (3,), generator=g), torch.tensor([qv.VISION_START]),
+                         torch.full((t * h * w // 4,), qv.IMAGE), torch.tensor([qv.VISION_END]),
+                         torch.randint(3, 60, (4,), generator=g)])[None]
+        return {"input_ids": ids, "mm_token_type_ids": (ids == qv.IMAGE).int(),
+                "pixel_values": torch.randn(t * h * w, 24, generator=g), "image_grid_thw": torch.tensor([grid])}
+
+
+def test_an_entry_with_a_demoted_site_fails_before_its_live_sites_read():
+    """Requests alternating torch.no_grad() and inference mode (inputs made in it) with six image
+    grids: Dynamo checks older cache entries of the vision frame, one of whose sites (the grid's
+    height, ``grid_thw[1].item()``) is demoted. The entry's live site (the grid's ``t``) re-ran its
+    cone, one read, before the demoted one failed the entry: 17 reads a call against stock's 16 on
+    calls that compile nothing (review 20). Once every grid was seen in both modes, no call reads
+    more than stock's but the one that demotes a site (README: once per demotion)."""
+    import torch
+    from torch._dynamo.utils import counters
+    from transformers import DynamicCache
+
+    qv.quiet()
+    grids = [(1, 2, 4), (1, 4, 2), (1, 4, 4), (1, 2, 2), (1, 6, 2), (1, 2, 6)]
+    plan = [(i % 3, grids[i % 6], i % 2 == 1) for i in range(12)]
+    rows, outs = {}, {}
+    try:
+        for kind in ("eager", "stock", "nosync"):
+            torch._dynamo.reset()
+            torchsync_pass.reset()
+            model = qv.build()
+            step = model if kind == "eager" else torch.compile(
+                model, backend="eager" if kind == "stock" else torchsync_pass.NosyncBackend({"codegen": "eager"}))
+            rows[kind], outs[kind] = [], []
+            for seed, grid, inference in plan:
+                req = _vl_request(seed, grid, inference)
+                model.model.rope_deltas = None
+                frames, known = sum(counters["frames"].values()), len(torchsync_pass.decisions())
+                with (torch.inference_mode() if inference else torch.no_grad()), torchsync_pass.count_syncs() as c:
+                    outs[kind].append(step(**req, cache=DynamicCache(config=model.config), use_cache=True).logits)
+                # a call that compiles, or demotes a site (one read more than stock, documented)
+                special = sum(counters["frames"].values()) != frames or any(
+                    d.action is Action.DEMOTED for d in torchsync_pass.decisions()[known:])
+                rows[kind].append((c.total + c.compile_time, special))
+    finally:
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+    for a, b in zip(outs["nosync"], outs["eager"], strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    steady = [i for i in range(6, len(plan)) if not rows["stock"][i][1] and not rows["nosync"][i][1]]
+    assert len(steady) >= 4, rows
+    assert [i for i in steady if rows["nosync"][i][0] > rows["stock"][i][0]] == [], (str(rows["stock"]), str(rows["nosync"]))
