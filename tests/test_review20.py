@@ -70,3 +70,59 @@ def test_the_warning_for_a_wrapped_functions_name_says_how_to_declare_it(_clean)
     cached, warned = _run_wrapped(["mask"])
     assert cached == 0 and len(warned) == 1
     assert "functools.wraps wrapper" in warned[0] and "'kwargs.mask'" in warned[0] and "'args.1'" in warned[0]
+
+
+_ASSERT_SCRIPT = '''
+import torch
+def f(x, ids):
+    torch._assert((ids == 5).sum() == 3, "three fives")
+    return x * 2
+g = torch.compile(f, backend="nosync", options={"codegen": "eager"})
+for _ in range(3):
+    g(torch.ones(4), torch.tensor([5, 5, 5, 1]))
+'''
+
+
+def test_explain_does_not_say_no_sync_was_met_beside_a_sync_break(tmp_path, capsys, _clean):
+    """torch._assert on a tensor: Dynamo breaks inside the op's fake run ("Data dependent
+    operator"), a [sync] break that reaches none of nosync's hooks; explain listed it and then said
+    nosync "met no host sync while tracing" (helper 150; torch._check_tensor_all the same before
+    torch 2.13)."""
+    import json
+
+    from torchsync_pass import explain
+
+    script = tmp_path / "asserting.py"
+    script.write_text(_ASSERT_SCRIPT)
+    rc = explain.main(["--json", str(script)])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["nosync"] == [] and rep["nosync_graphs"] >= 1
+    breaks = sum(cf["sync_graph_breaks"] for cf in rep["compiled"])
+    if breaks == 0 and tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) >= (2, 15):
+        pytest.skip("this torch traces torch._assert into the graph (a sync inside the op, no break)")
+    assert breaks == 1
+    text = explain.render_text(rep)
+    assert "met no host sync" not in text
+    assert "1 graph break(s) tagged [sync] above are syncs Dynamo takes inside an op" in text
+
+
+def test_explain_says_int_is_not_rewritten_on_this_release(_clean):
+    """On torch 2.11 and 2.14+ ``table[int(t)]`` is not rewritten; the decision said the value was
+    "used other than as an index" and that the read was "not a direct .item()/int() call in user
+    code" (helper 150): it now says the release does not rewrite int() (run by tests/compat.sh)."""
+    from torchsync_pass import Action, dynamo_hooks
+
+    if dynamo_hooks.int_reads_rewritable():
+        pytest.skip("this torch rewrites table[int(t)] (2.12, 2.13)")
+    table = torch.arange(30.0).reshape(10, 3)
+
+    def f(x, t):
+        return table[int(t)] * x
+
+    step = torch.compile(f, backend="nosync", options={"codegen": "eager"})
+    x = torch.ones(3)
+    for i in range(4):
+        assert torch.equal(step(x, torch.tensor(i)), f(x, torch.tensor(i)))
+    kept = [d for d in torchsync_pass.decisions() if d.action is Action.KEPT]
+    assert kept and all("int(t) is not rewritten: index with t.item()" in d.detail for d in kept), kept
+    assert all("used other than as an index" not in d.reason.value for d in kept)

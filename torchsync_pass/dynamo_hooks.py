@@ -1398,7 +1398,9 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
     if key_problem is not None:
         return None, ("REWRITE_OTHER_USE", key_problem)
     if _user_translator(tx) is not tx or not _direct_call(tx, kind):
-        return None, ("REWRITE_OTHER_USE", "the read is not a direct .item()/int() call in user code")
+        return None, ("REWRITE_OTHER_USE", "the read is not a direct .item()/int() call in user code"
+                      + ("" if int_reads_rewritable() else
+                         f"; on torch {torch.__version__.split('+')[0]} int(t) is not rewritten: index with t.item()"))
     if tx.output.current_tracer is not tx.output.root_tracer:
         return None, ("REWRITE_OTHER_USE", "the read sits in a nested tracer")
     nxt = tx.instructions[tx.instruction_pointer] if tx.instruction_pointer is not None else None

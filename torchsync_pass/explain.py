@@ -442,6 +442,14 @@ def _no_decisions_line(rep: dict[str, Any]) -> str:
     n, disabled = rep.get("nosync_graphs") or 0, rep.get("nosync_disabled")
     if disabled:
         return f"  (none: the nosync pass is disabled, nosync ran as stock Inductor: {disabled})"
+    sync_breaks = sum(cf.get("sync_graph_breaks") or 0 for cf in rep.get("compiled") or ())
+    if n and sync_breaks:
+        # a break Dynamo takes inside an op's fake run ("Data dependent operator": torch._assert on
+        # a tensor, torch._check_tensor_all before torch 2.13) reaches none of nosync's hooks
+        return (f"  (none: nosync compiled {n} graph(s) and intercepted no host sync while tracing them; "
+                f"the {sync_breaks} graph break(s) tagged [sync] above are syncs Dynamo takes inside an op "
+                "(as stock does: torch._assert on a tensor, ...), which nosync does not intercept: nothing "
+                "hoisted)")
     if n:
         return (f"  (none: nosync compiled {n} graph(s) and met no host sync while tracing them: "
                 "nothing to hoist)")

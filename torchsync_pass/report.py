@@ -130,7 +130,8 @@ class Reason(enum.Enum):
     BRANCH_MAY_RAISE = "an arm runs an op that may raise for the values of the arm eager skips"
     BRANCH_COST = "an arm traces too many ops to run both arms at every step"
     BRANCH_IDENTITY = "later code compares the chosen object by identity (`is`)"
-    REWRITE_OTHER_USE = "the value is used other than as an index into a tensor or a list of tensors"
+    REWRITE_OTHER_USE = ("the read is not one the index rewrite takes (a direct read in user code used only as an "
+                         "index into a tensor or a list of tensors)")
     REWRITE_TABLE = "the indexed object is not a tensor or a list of same-shape contiguous tensors"
     REWRITE_ALIASED = (
         "eager's own tensor would be observable (a list row, or a branch's arm, written in place or "
