@@ -126,3 +126,48 @@ def test_explain_says_int_is_not_rewritten_on_this_release(_clean):
     kept = [d for d in torchsync_pass.decisions() if d.action is Action.KEPT]
     assert kept and all("int(t) is not rewritten: index with t.item()" in d.detail for d in kept), kept
     assert all("used other than as an index" not in d.reason.value for d in kept)
+
+
+def _checked(x, ids):
+    torch._check_tensor_all((ids == 5).sum() == 3, lambda: "need three fives")
+    return x * 2
+
+
+def _checked_with(x, ids):
+    torch._check_tensor_all_with(ValueError, (ids == 5).sum() == 3, lambda: "need three fives")
+    return x * 2
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - compared with eager's
+        return type(e), str(e).splitlines()[0]
+    return None
+
+
+@pytest.mark.parametrize("fn", [_checked, _checked_with])
+def test_check_tensor_all_on_an_invariant_tensor_is_hoisted_and_still_raises(fn, _clean):
+    """transformers' torch_check (Qwen2-VL's image-token count check): on torch 2.11 and 2.12 the
+    call was put in the graph as it is and broke inside the op, out of nosync's reach (helper 150);
+    it is now traced as 2.13 traces it. A request that fails the check raises eager's error."""
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    counters.clear()
+    step = torch.compile(fn, backend="nosync", options={"codegen": "eager"})
+    x, ids = torch.ones(4), torch.tensor([5, 5, 5, 1])
+    assert torch.equal(step(x, ids), fn(x, ids))
+    with torchsync_pass.count_syncs() as c:
+        out = step(x, ids)
+    assert torch.equal(out, fn(x, ids))
+    assert c.total == 0 and counters["stats"]["unique_graphs"] == 1
+    (d,) = torchsync_pass.decisions()
+    assert d.action.name == "HOISTED" and "_check_tensor_all" in d.source
+    ids[3] = 5  # written in place: four fives
+    expected = _raised(fn, x, ids)
+    assert expected is not None and expected[0] is (ValueError if fn is _checked_with else RuntimeError)
+    assert _raised(step, x, ids) == expected
+    bad = torch.tensor([5, 1, 1, 1])  # a new request that fails the check
+    assert _raised(step, x, bad) == _raised(fn, x, bad)
+    good = torch.tensor([1, 5, 5, 5])
+    assert torch.equal(step(x, good), fn(x, good))

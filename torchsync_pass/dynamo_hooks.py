@@ -2719,6 +2719,7 @@ def _patch() -> None:
     _patch_subscript()
     _patch_grad()
     _patch_store_attr()
+    _patch_check_all()
 
 
 # NOTE [The .grad of a gathered row]: eager's row is a view of the table (or the list's own
@@ -2796,6 +2797,57 @@ def _patch_grad() -> None:
     TensorVariable.var_getattr = _make_grad_hook(original)
 
 
+# NOTE [torch._check_tensor_all before torch 2.13]: transformers' ``torch_check`` (Qwen2-VL's
+# image-token count check) calls ``torch._check_tensor_all(cond)``. Torch 2.13 traces it as
+# ``cond._is_all_true().item()`` and a check of the value, so the read reaches the ``.item()`` hook;
+# 2.11 and 2.12 put the call in the graph as it is, and its fake run breaks inside the op ("Data
+# dependent operator") where no hook sees it. On those releases the call is handed to the policy
+# as 2.13 would: ``cond._is_all_true()`` traced, its read asked for; a hoisted True makes the check
+# a no-op (eager's check passes, its message is never built). Anything else (not hoisted, or False:
+# eager raises) takes Dynamo's own path, as stock.
+def _check_all_hooked() -> bool:
+    return _torch_version() < (2, 13)
+
+
+def _check_all_cond(fn: Any, args: Any, kwargs: Any) -> Any:
+    """The ``cond`` argument of ``torch._check_tensor_all(cond, message=None)`` or
+    ``torch._check_tensor_all_with(error_type, cond, message=None)``, None when not given."""
+    pos = 1 if fn is torch._check_tensor_all_with else 0
+    return args[pos] if len(args) > pos else kwargs.get("cond")
+
+
+def _make_check_all_hook(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def call_function(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        fn = getattr(self, "value", None)
+        if (fn is torch._check_tensor_all or fn is torch._check_tensor_all_with) \
+                and not getattr(_state, "in_stock", False) and _nosync_options(tx) is not None:
+            cond = _check_all_cond(fn, args, kwargs)
+            if cond is not None and getattr(cond, "is_tensor", lambda: False)():
+                scalar = cond.call_method(tx, "_is_all_true", [], {})
+                ok, value, site = _ask_policy(tx, scalar, "item")
+                if ok and value:
+                    return _const(tx, None)
+                return _stock(site, value if not ok else "the check fails: eager raises",
+                              lambda: original(self, tx, args, kwargs))
+        return original(self, tx, args, kwargs)
+
+    call_function.__nosync_hook__ = True  # type: ignore[attr-defined]
+    return call_function
+
+
+def _patch_check_all() -> None:
+    from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+    if not _check_all_hooked():
+        return
+    original = TorchInGraphFunctionVariable.__dict__["call_function"]
+    if getattr(original, "__nosync_hook__", False):
+        return
+    _originals["TorchInGraphFunctionVariable.call_function"] = original
+    TorchInGraphFunctionVariable.call_function = _make_check_all_hook(original)
+
+
 def _patch_subscript() -> None:
     """Wrap the BINARY_SUBSCR handler (Note [Rewriting a subscript at a tensor index]) and, where
     the select runs (torch 2.13+), the IS_OP / CONTAINS_OP handlers (Note [Identity comparisons a
@@ -2841,6 +2893,10 @@ def _unpatch() -> None:
             from torch._dynamo.side_effects import SideEffects
 
             setattr(SideEffects, attr, original)
+        elif owner == "TorchInGraphFunctionVariable":
+            from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
+
+            setattr(TorchInGraphFunctionVariable, attr, original)
     for cls in _translator_classes():
         for name, fn in list(vars(cls).items()):
             if getattr(fn, "__nosync_hook__", False):
@@ -2891,7 +2947,7 @@ def _self_test_fns() -> dict[str, Callable]:
     # NOTE: compiled from source on every call, so each self-test run has fresh code objects: it
     # never meets cache entries of an earlier run and never needs torch._dynamo.reset(), which
     # would throw away everything the user's process has compiled so far.
-    env: dict[str, Any] = {"operator": operator}
+    env: dict[str, Any] = {"operator": operator, "torch": torch}
     with open(SELF_TEST_FILE, encoding="utf-8") as f:
         exec(compile(f.read(), SELF_TEST_FILE, "exec"), env)  # noqa: S102
     out = {}
@@ -2911,6 +2967,8 @@ def _self_test_fns() -> dict[str, Callable]:
     if _grad_hooked():
         out["TensorVariable.var_getattr (a gathered row's .grad)"] = env["f_row_grad"]
     out["SideEffects.store_attr (an attribute set on a gathered row)"] = env["f_row_attr"]
+    if _check_all_hooked():
+        out["TorchInGraphFunctionVariable.call_function (torch._check_tensor_all)"] = env["f_check_all"]
     if _identity_hooked():
         out["IS_OP (dispatch_table)"] = env["f_is"]
         out["CONTAINS_OP (dispatch_table)"] = env["f_contains"]
