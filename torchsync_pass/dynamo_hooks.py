@@ -2778,23 +2778,23 @@ def _make_store_attr_hook(original: Callable) -> Callable:
 def _patch_store_attr() -> None:
     from torch._dynamo.side_effects import SideEffects
 
-    original = SideEffects.__dict__["store_attr"]
+    _wrap_method(SideEffects, "store_attr", _make_store_attr_hook)
+
+
+def _wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace ``cls.name`` by ``make(original)`` (once), keeping the original for _unpatch."""
+    original = cls.__dict__[name]
     if getattr(original, "__nosync_hook__", False):
         return
-    _originals["SideEffects.store_attr"] = original
-    SideEffects.store_attr = _make_store_attr_hook(original)
+    _originals[f"{cls.__name__}.{name}"] = original
+    setattr(cls, name, make(original))
 
 
 def _patch_grad() -> None:
     from torch._dynamo.variables.tensor import TensorVariable
 
-    if not _grad_hooked():
-        return
-    original = TensorVariable.__dict__["var_getattr"]
-    if getattr(original, "__nosync_hook__", False):
-        return
-    _originals["TensorVariable.var_getattr"] = original
-    TensorVariable.var_getattr = _make_grad_hook(original)
+    if _grad_hooked():
+        _wrap_method(TensorVariable, "var_getattr", _make_grad_hook)
 
 
 # NOTE [torch._check_tensor_all before torch 2.13]: transformers' ``torch_check`` (Qwen2-VL's
@@ -2839,13 +2839,8 @@ def _make_check_all_hook(original: Callable) -> Callable:
 def _patch_check_all() -> None:
     from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
 
-    if not _check_all_hooked():
-        return
-    original = TorchInGraphFunctionVariable.__dict__["call_function"]
-    if getattr(original, "__nosync_hook__", False):
-        return
-    _originals["TorchInGraphFunctionVariable.call_function"] = original
-    TorchInGraphFunctionVariable.call_function = _make_check_all_hook(original)
+    if _check_all_hooked():
+        _wrap_method(TorchInGraphFunctionVariable, "call_function", _make_check_all_hook)
 
 
 def _patch_subscript() -> None:
@@ -2947,7 +2942,7 @@ def _self_test_fns() -> dict[str, Callable]:
     # NOTE: compiled from source on every call, so each self-test run has fresh code objects: it
     # never meets cache entries of an earlier run and never needs torch._dynamo.reset(), which
     # would throw away everything the user's process has compiled so far.
-    env: dict[str, Any] = {"operator": operator, "torch": torch}
+    env: dict[str, Any] = {"operator": operator, "check_all": torch._check_tensor_all}
     with open(SELF_TEST_FILE, encoding="utf-8") as f:
         exec(compile(f.read(), SELF_TEST_FILE, "exec"), env)  # noqa: S102
     out = {}
