@@ -1398,8 +1398,9 @@ def _index_use(tx: Any, var: Any, kind: str) -> tuple[Any, Any]:
     if key_problem is not None:
         return None, ("REWRITE_OTHER_USE", key_problem)
     if _user_translator(tx) is not tx or not _direct_call(tx, kind):
+        int_read = kind == "int" or _builtin_caller_kind() == "int"  # (2.11 traces int(t) as t.item())
         return None, ("REWRITE_OTHER_USE", "the read is not a direct .item()/int() call in user code"
-                      + ("" if int_reads_rewritable() else
+                      + ("" if int_reads_rewritable() or not int_read else
                          f"; on torch {torch.__version__.split('+')[0]} int(t) is not rewritten: index with t.item()"))
     if tx.output.current_tracer is not tx.output.root_tracer:
         return None, ("REWRITE_OTHER_USE", "the read sits in a nested tracer")
@@ -2823,7 +2824,9 @@ def _make_check_all_hook(original: Callable) -> Callable:
         if (fn is torch._check_tensor_all or fn is torch._check_tensor_all_with) \
                 and not getattr(_state, "in_stock", False) and _nosync_options(tx) is not None:
             cond = _check_all_cond(fn, args, kwargs)
-            if cond is not None and getattr(cond, "is_tensor", lambda: False)():
+            # (a cond of another dtype: torch's own check raises TypeError first, as stock shows)
+            if cond is not None and getattr(cond, "is_tensor", lambda: False)() \
+                    and getattr(cond.as_proxy().node.meta.get("example_value"), "dtype", None) is torch.bool:
                 scalar = cond.call_method(tx, "_is_all_true", [], {})
                 ok, value, site = _ask_policy(tx, scalar, "item")
                 if ok and value:

@@ -459,14 +459,15 @@ def _wrapper_hint(entry: Optional[_Entry], name: str) -> str:
     head = name.split(".")[0]
     if head not in inner.parameters:
         return ""
-    pos = list(inner.parameters).index(head) - bool(fn.__code__.co_argcount)  # after the receiver
-    rest = name[len(head):]
     code = fn.__code__
     where = f"{code.co_name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
+    rest = name[len(head):]
+    # NOTE: no position is offered: the wrapper may reorder its *args, and a call may pass the
+    # argument by keyword; ``args.N`` is its position among this call's positional arguments
     return (f"; the function compiled is a functools.wraps wrapper ({where}) around "
-            f"{inspect.unwrap(fn).__qualname__} that "
-            f"rebuilds its *args, so the names are its own: declare 'kwargs.{head}{rest}' (passed by "
-            f"keyword)" + (f" or 'args.{pos}{rest}' (passed by position)" if pos >= 0 else ""))
+            f"{inspect.unwrap(fn).__qualname__} that rebuilds its *args, so the names are its own: "
+            f"declare 'kwargs.{head}{rest}' where the call passes it by keyword, or 'args.N{rest}' with "
+            f"N its position among the call's positional arguments")
 
 
 def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = True) -> Optional[str]:
