@@ -198,3 +198,42 @@ def test_check_tensor_all_with_a_cond_that_is_not_bool_raises_as_stock(_clean):
     torch._dynamo.reset()
     nosync = _raised(torch.compile(f, backend="nosync", options={"codegen": "eager"}), x, ids)
     assert stock is not None and nosync is not None and nosync[0] is stock[0], (nosync, stock)
+
+
+class _WrappedKw(torch.nn.Module):
+    @_rebuilds_args
+    def forward(self, x, mask=None, **kwargs):
+        return x * (mask.float().cumsum(-1) * 0.5).exp()
+
+
+def _declare_and_call(invariant: list, by_keyword: bool, model: torch.nn.Module) -> list:
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    step = torch.compile(model, backend="nosync", options={"codegen": "eager", "invariant": invariant, "strict": True})
+    x, mask = torch.ones(4), torch.tensor([1, 0, 1, 1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = step(x, mask=mask) if by_keyword else step(x, mask)
+    assert torch.equal(out, model(x, mask=mask))
+    return [str(w.message) for w in caught if "nosync" in str(w.message)]
+
+
+@pytest.mark.parametrize("model", [_Wrapped(), _WrappedKw()])
+def test_a_wrapper_path_to_an_argument_passed_the_other_way_is_not_a_misnamed_declaration(model, _clean):
+    """``kwargs.mask`` on a call that passes the mask by position (and ``args.1`` on one that
+    passes it by keyword) names nothing on that call, like an argument passed None: it raised
+    under strict (helper 154). A name the wrapped function does not take still does."""
+    assert _declare_and_call(["kwargs.mask"], False, model) == []
+    assert _declare_and_call(["args.1"], True, model) == []
+    with pytest.raises(NosyncOptionsError, match="kwargs.maks"):
+        _declare_and_call(["kwargs.maks"], True, model)
+    with pytest.raises(NosyncOptionsError, match="args.5"):
+        _declare_and_call(["args.5"], False, model)
+
+
+def test_no_hint_for_a_name_that_already_is_the_wrappers_path(_clean):
+    """A wrapped forward taking **kwargs: a misnamed 'kwargs.other' got the hint "declare
+    'kwargs.kwargs.other'" (helper 154)."""
+    with pytest.raises(NosyncOptionsError) as raised:
+        _declare_and_call(["kwargs.other"], True, _WrappedKw())
+    assert "kwargs.kwargs" not in str(raised.value) and "functools.wraps wrapper" not in str(raised.value)

@@ -431,7 +431,7 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
     where = scopes[0][0]
     for name in map(str, opts.invariant):
         problems = [_declared_name_problem(name, _arg_names(c), s) for c, s in scopes]
-        if None in problems:
+        if None in problems or _not_passed(entry, name):
             continue
         args = _arg_names(where)
         message = (f"nosync: options['invariant'] names {name!r}, but {problems[0]} "
@@ -446,6 +446,37 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
             log.warning("%s", message)
 
 
+def _wrapper_varargs(fn: Any) -> tuple[Optional[str], Optional[str]]:
+    """The names of the ``*args`` and ``**kwargs`` parameters of a function."""
+    code = fn.__code__
+    n = code.co_argcount + code.co_kwonlyargcount
+    star = code.co_varnames[n] if code.co_flags & inspect.CO_VARARGS else None
+    n += star is not None
+    return star, (code.co_varnames[n] if code.co_flags & inspect.CO_VARKEYWORDS else None)
+
+
+def _not_passed(entry: Optional[_Entry], name: str) -> bool:
+    """Is ``name`` a wrapper's path (``kwargs.mask``, ``args.1``) to an argument of the function it
+    wraps that this call does not pass that way (left out, or passed by position rather than by
+    keyword)? Nothing to declare on that call, as for an argument passed None."""
+    fn = entry.fn if entry is not None else None
+    parts = name.split(".")
+    if fn is None or not hasattr(fn, "__wrapped__") or len(parts) < 2:
+        return False
+    try:
+        inner = inspect.signature(inspect.unwrap(fn), follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        return False
+    star, starstar = _wrapper_varargs(fn)
+    given = entry.real.get(parts[0])
+    if parts[0] == starstar and isinstance(given, dict):
+        return parts[1] not in given and parts[1] in inner
+    if parts[0] == star and isinstance(given, tuple) and parts[1].isdigit():
+        positional = [p for p in inner.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return len(given) <= int(parts[1]) < len(positional)
+    return False
+
+
 def _wrapper_hint(entry: Optional[_Entry], name: str) -> str:
     """For a name of the function a ``functools.wraps`` wrapper wraps, where the wrapper rebuilds
     its ``*args`` (so its own names count): how to declare it by the wrapper's path."""
@@ -457,7 +488,7 @@ def _wrapper_hint(entry: Optional[_Entry], name: str) -> str:
     except (TypeError, ValueError):
         return ""
     head = name.split(".")[0]
-    if head not in inner.parameters:
+    if head not in inner.parameters or head in _arg_names(fn.__code__):  # (already the wrapper's path)
         return ""
     code = fn.__code__
     where = f"{code.co_name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
