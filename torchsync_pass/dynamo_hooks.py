@@ -131,6 +131,7 @@ _state = threading.local()
 _policy: Optional[Policy] = None
 _backend_matcher: Optional[Callable[[Any], bool]] = None
 _originals: dict[str, Any] = {}
+_wrapped_methods: list[tuple[type, str, Any]] = []  # (class, name, original) of each _wrap_method
 _installed = False
 _self_test_result: Optional[dict[str, bool]] = None
 _disabled_reason: Optional[str] = None
@@ -2787,7 +2788,7 @@ def _wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> 
     original = cls.__dict__[name]
     if getattr(original, "__nosync_hook__", False):
         return
-    _originals[f"{cls.__name__}.{name}"] = original
+    _wrapped_methods.append((cls, name, original))
     setattr(cls, name, make(original))
 
 
@@ -2882,19 +2883,14 @@ def _patch_opcode(opname: str, make: Callable[[Callable], Callable]) -> None:
 def _unpatch() -> None:
     from torch._dynamo.variables.tensor import TensorVariable
 
+    for cls, name, original in _wrapped_methods:
+        setattr(cls, name, original)
+    _wrapped_methods.clear()
     for key, original in list(_originals.items()):
         owner, _, attr = key.partition(".")
         if owner == "TensorVariable":
             setattr(TensorVariable, attr, original)
             _replace_tp_method_back(TensorVariable, attr, original)
-        elif owner == "SideEffects":
-            from torch._dynamo.side_effects import SideEffects
-
-            setattr(SideEffects, attr, original)
-        elif owner == "TorchInGraphFunctionVariable":
-            from torch._dynamo.variables.torch import TorchInGraphFunctionVariable
-
-            setattr(TorchInGraphFunctionVariable, attr, original)
     for cls in _translator_classes():
         for name, fn in list(vars(cls).items()):
             if getattr(fn, "__nosync_hook__", False):
