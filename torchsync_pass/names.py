@@ -455,17 +455,23 @@ def _wrapper_varargs(fn: Any) -> tuple[Optional[str], Optional[str]]:
     return star, (code.co_varnames[n] if code.co_flags & inspect.CO_VARKEYWORDS else None)
 
 
+def _wrapped_params(fn: Any) -> Optional[Any]:
+    """The parameters of the function ``fn`` (a ``functools.wraps`` wrapper) wraps, None when they
+    cannot be read."""
+    try:
+        return inspect.signature(inspect.unwrap(fn), follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        return None
+
+
 def _not_passed(entry: Optional[_Entry], name: str) -> bool:
     """Is ``name`` a wrapper's path (``kwargs.mask``, ``args.1``) to an argument of the function it
     wraps that this call does not pass that way (left out, or passed by position rather than by
     keyword)? Nothing to declare on that call, as for an argument passed None."""
     fn = entry.fn if entry is not None else None
     parts = name.split(".")
-    if fn is None or not hasattr(fn, "__wrapped__") or len(parts) < 2:
-        return False
-    try:
-        inner = inspect.signature(inspect.unwrap(fn), follow_wrapped=False).parameters
-    except (TypeError, ValueError):
+    inner = _wrapped_params(fn) if fn is not None and hasattr(fn, "__wrapped__") and len(parts) > 1 else None
+    if inner is None:
         return False
     star, starstar = _wrapper_varargs(fn)
     given = entry.real.get(parts[0])
@@ -481,14 +487,9 @@ def _wrapper_hint(entry: Optional[_Entry], name: str) -> str:
     """For a name of the function a ``functools.wraps`` wrapper wraps, where the wrapper rebuilds
     its ``*args`` (so its own names count): how to declare it by the wrapper's path."""
     fn = entry.fn if entry is not None else None
-    if fn is None or not _pass_on_shape(fn.__code__):
-        return ""
-    try:
-        inner = inspect.signature(inspect.unwrap(fn), follow_wrapped=False)
-    except (TypeError, ValueError):
-        return ""
+    inner = _wrapped_params(fn) if fn is not None and _pass_on_shape(fn.__code__) else None
     head = name.split(".")[0]
-    if head not in inner.parameters or head in _arg_names(fn.__code__):  # (already the wrapper's path)
+    if inner is None or head not in inner or head in _arg_names(fn.__code__):  # (already the wrapper's path)
         return ""
     code = fn.__code__
     where = f"{code.co_name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
