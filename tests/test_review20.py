@@ -237,3 +237,12 @@ def test_no_hint_for_a_name_that_already_is_the_wrappers_path(_clean):
     with pytest.raises(NosyncOptionsError) as raised:
         _declare_and_call(["kwargs.other"], True, _WrappedKw())
     assert "kwargs.kwargs" not in str(raised.value) and "functools.wraps wrapper" not in str(raised.value)
+
+
+def test_args_n_past_the_wrapped_functions_last_parameter_is_reported(_clean):
+    """``wrapper(self, *args)`` around ``forward(self, x, mask)``: the wrapper's ``*args`` holds
+    (x, mask), so 'args.2' names nothing. It was taken for an argument this call did not pass (the
+    count included ``self``, which the wrapper takes itself) and went unreported, even under strict."""
+    with pytest.raises(NosyncOptionsError, match="args.2"):
+        _declare_and_call(["args.2"], True, _Wrapped())
+    assert _declare_and_call(["args.1"], True, _Wrapped()) == []  # mask, passed by keyword here

@@ -479,7 +479,9 @@ def _not_passed(entry: Optional[_Entry], name: str) -> bool:
         return parts[1] not in given and parts[1] in inner
     if parts[0] == star and isinstance(given, tuple) and parts[1].isdigit():
         positional = [p for p in inner.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        return len(given) <= int(parts[1]) < len(positional)
+        # the wrapper's own leading parameters (``self`` in ``wrapper(self, *args)``) take the
+        # first ones: its ``*args`` holds what follows them
+        return len(given) <= int(parts[1]) < len(positional) - fn.__code__.co_argcount
     return False
 
 
