@@ -467,12 +467,26 @@ class ConeState:
     last_spec: Optional[Spec] = None
     miss_streak: int = 0  # consecutive calls whose leaves were new (guard re-ran the cone)
     last_miss: Optional[_Entry] = None
-    memos: dict = field(default_factory=dict)  # bits_state() -> ConeMemo
+    memos: dict = field(default_factory=dict)  # memo_key(bits_state()) -> ConeMemo
     streak_keys: set = field(default_factory=set)  # values the guard computed during the streak
     share_key: tuple = ()  # what it computes, its leaves' sources aside: see _from_another_cone
 
     def __post_init__(self) -> None:
         forgettable(self)
+        # The per-backend precisions and kernel switches that can change what the cone computes
+        # (what SiteCheck reads per call; all of them for a cone of no module, a table's)
+        module = self.result.module
+        self.read_precisions = (_torch_private.fp32_precisions if module is None
+                                else precision_reader(module.graph))
+
+    def memo_key(self, bits: tuple) -> tuple:
+        """The key of this cone's memo under ``bits`` (:func:`bits_state`, taken now): its last
+        item, every precision and kernel switch, replaced by those that can change this cone's
+        value. A switch it cannot see (``cudnn.benchmark`` for ``(tt == 0).any()``) flipped between
+        two compiles left the two cache entries a memo each, and a new request read the value once
+        per entry (review 21)."""
+        read = self.read_precisions
+        return bits[:-1] + (read() if read is not None else None,)
 
     def forget(self) -> None:
         """Drop the memoised values (a write behind the version counter, Note [Writes behind the
@@ -485,9 +499,10 @@ class ConeState:
         self.last_miss = None
 
     def memo_for(self, bits: tuple) -> ConeMemo:
-        memo = self.memos.get(bits)
+        key = self.memo_key(bits)
+        memo = self.memos.get(key)
         if memo is None:
-            memo = self.memos[bits] = ConeMemo(tuple(l.declared for l in self.result.leaves))
+            memo = self.memos[key] = ConeMemo(tuple(l.declared for l in self.result.leaves))
         return memo
 
     def evaluate(self, leaves: tuple, memo: ConeMemo) -> _Entry:
@@ -805,7 +820,7 @@ def _from_another_cone(state: SiteState, cone: "ConeState", leaves: tuple, memo:
     for other in list(state.cones.values()):
         if other is cone or other.share_key != cone.share_key:
             continue
-        theirs = other.memos.get(bits)
+        theirs = other.memos.get(other.memo_key(bits))
         e = theirs.lookup(leaves) if theirs is not None else None
         if e is not None:
             return memo.store(leaves, e.key, e.value, e.fps)
@@ -951,9 +966,7 @@ class SiteCheck:
         # region it is that region's), and the per-backend precision settings, which that
         # snapshot does not cover, where the cone has an op they can change.
         self.entry = _torch_private.frame_entry_state()
-        module = cone.result.module
-        self.read_precisions = (_torch_private.fp32_precisions if module is None
-                                else precision_reader(module.graph))
+        self.read_precisions = cone.read_precisions
         # NOTE: read now, in the compile whose bits_state() is ``bits``
         self.precisions = self.read_precisions() if self.read_precisions is not None else None
 

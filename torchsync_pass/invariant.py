@@ -233,6 +233,11 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         # that input's symbol, and a call with another input size failed its assert
         log.debug("nosync: a graph with symbolic sizes is not split under Inductor")
         return InvariantSplit(False, gm.forward)
+    if compile_step is not None and any(cone.is_random(n) for n in graph.nodes if n.op == "call_function"):
+        # NOTE: a call whose invariant part raises runs the unsplit graph as eager ops (see
+        # InvariantRunner._compute): eager's draws, not the ones stock Inductor's code makes
+        log.debug("nosync: a graph with a random op is not split under Inductor")
+        return InvariantSplit(False, gm.forward)
     inv, leaf_names, leaf_storages, wheres = _invariant_nodes(graph, opts.invariant)
     compile_id = dynamo_hooks.current_compile_id()
     cached: list[fx.Node] = []
@@ -390,7 +395,8 @@ class InvariantRunner:
         # argument the step writes before the leaf is read: values computed before the step ran
         # would be stale). Never at trace time (such a leaf is not invariant), only at run time.
         self.written = written if whole is not None else ()
-        self._whole_fn = _torch_private.graph_forward(whole) if whole is not None and written else None
+        # also for a call whose invariant part raises (see _compute)
+        self._whole_fn = _torch_private.graph_forward(whole) if whole is not None else None
         self.declared = (False,) * len(leaf_index)  # inference leaves never reach the memo (see miss)
         # One memo per global state that changes the invariant part's bits: grad mode,
         # guards.bits_state() (the thread count, matmul precisions, ...), the default dtype (a
@@ -442,11 +448,14 @@ class InvariantRunner:
 
     def _compute(self, leaves: tuple) -> Optional[tuple]:
         # NOTE: the invariant part runs before the step's ops; an op of it that raises (an index out
-        # of range after a leaf changed) would raise before an in-place write the step makes first
+        # of range after a leaf changed) would raise before what the step does first: an in-place
+        # write, a random draw (the generator then one call behind eager's for the rest of the
+        # process), an op that raises the request's own error. None: the caller runs the unsplit
+        # graph, which raises where eager does (review 21).
         try:
             return tuple(self._invariant_fn(*leaves))
         except Exception:
-            if self._whole_fn is None:  # nothing written: raising first is what eager shows
+            if self._whole_fn is None:
                 raise
             return None
 
@@ -477,8 +486,8 @@ class InvariantRunner:
     def miss(self, args: tuple) -> Any:
         """The values for a call that is not the last one's: memo lookup, or the invariant part.
 
-        None when the invariant part raised and the graph writes an input: the caller runs the
-        unsplit graph, which raises the same error after the writes eager makes before it.
+        None when the invariant part raised: the caller runs the unsplit graph, which raises the
+        error eager raises, after what eager does before it (writes, random draws).
         """
         leaves = tuple([args[i] for i in self.leaf_index])
         grad = torch.is_grad_enabled()

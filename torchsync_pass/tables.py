@@ -78,7 +78,7 @@ MAX_TABLE_LEN = 4096  # indices mirrored per request, at most
 
 # The conversions of guards._CONVERT, applied to the Python values one .tolist() produced.
 _FROM_HOST: dict[str, Callable[[Any], Any]] = {"item": lambda v: v, "tolist": lambda v: v, "bool": bool, "int": int,
-                                               "float": float, "index": operator.index}
+                                               "float": float, "index": lambda v: int(operator.index(v))}
 assert set(_FROM_HOST) == set(_CONVERT)
 # NOTE: torch's Tensor.__int__, __index__ and __bool__ convert through int64 and raise for a
 # uint64 value >= 2**63 (review 18); Python's int(), operator.index() and bool() of the .tolist()
@@ -136,7 +136,8 @@ def evaluate_mirror(module: torch.fx.GraphModule, index_pos: int, kind: str, tab
         if not isinstance(out, torch.Tensor) or out.is_complex():
             continue
         if kind != "tolist":
-            if out.numel() != 1 or (kind == "index" and (out.is_floating_point() or out.dtype is torch.bool)):
+            # (a bool tensor's index is its int: operator.index(torch.tensor(True)) == 1)
+            if out.numel() != 1 or (kind == "index" and out.is_floating_point()):
                 continue  # eager raises for these: leave them to eager
             out = out.reshape(())
         outs[i] = out
