@@ -2438,9 +2438,15 @@ def _try_branch(tx: Any, inst: Any, truth_fn: Callable, push: bool, site: Option
                 sel.as_proxy().node.meta[REWRITE_META] = dataclasses.replace(use, length=len(merged))
             sa[k] = sel
     except Exception as e:
-        from torch._dynamo.exc import RestartAnalysis
+        from torch._dynamo.exc import RestartAnalysis, SpeculationRestartAnalysis
 
-        if isinstance(e, RestartAnalysis):
+        if isinstance(e, SpeculationRestartAnalysis):
+            # NOTE: a graph break in an arm (``.item()`` there): Dynamo marks the instruction and
+            # traces again, when its handler compiles the graph so far before the break, a compile
+            # the refusal then throws away (one backend compile more than stock, and the reads
+            # Dynamo makes while compiling: review 21). Refused now; the retrace keeps the sync.
+            e = BranchRefused("BRANCH_FORM", f"an arm breaks the graph ({getattr(e, 'restart_reason', e)})")
+        elif isinstance(e, RestartAnalysis):
             raise
         if not isinstance(e, BranchRefused):
             e = BranchRefused("BRANCH_FORM", f"tracing an arm failed ({type(e).__name__}: {e})")

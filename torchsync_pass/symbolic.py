@@ -38,12 +38,13 @@ def free_symbols_of(*values: Any) -> set[sympy.Symbol]:
 def describe(what: str, symbols: Iterable[sympy.Symbol], example: Any = None) -> str:
     names = sorted(str(s) for s in symbols)
     if isinstance(example, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(example, bool):
-        # NOTE: a Python int/float input (e.g. a scheduler's ``self._step_index``) that changed
-        # between calls: Dynamo's automatic dynamic turned it into a symbol. It has no size.
+        # NOTE: a Python int/float input (e.g. a scheduler's ``self._step_index``) that Dynamo
+        # turned into a symbol: after it changed between calls (automatic dynamic), or at once
+        # under ``dynamic=True`` (review 21: the message said it had changed). It has no size.
         kind = "float" if isinstance(example, (float, torch.SymFloat)) else "int"
         sym = f" ({', '.join(names)})" if names else ""
-        return (f"{what} is a Python {kind} that Dynamo made dynamic{sym} after it changed between "
-                f"calls; the cone's value would change with it")
+        return (f"{what} is a Python {kind} that Dynamo made dynamic{sym} (dynamic=True, or it changed "
+                f"between calls); the cone's value would change with it")
     if not names:
         return f"{what} is symbolic"
     return f"{what} has symbolic size(s) {', '.join(names)} (dynamic shapes)"
