@@ -1,0 +1,229 @@
+"""Review 21 (2026-12-07): each test failing on the commit before its fix."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import torchsync_pass
+from test_core import assert_bitwise
+
+
+@pytest.fixture
+def _clean():
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+
+
+class _DrawsThenReads(torch.nn.Module):
+    """A random draw, then a read of buffers only (cached by invariant caching), as an ids lookup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(10.0))
+        self.register_buffer("idx", torch.tensor([1, 2]))
+        self.emb = torch.nn.Embedding(5, 2)
+
+    def forward(self, x, ids):
+        noise = torch.rand(2)
+        h = self.emb(ids).sum(0)  # the request's ids: their error comes first in eager
+        return x + noise + h + self.table[self.idx] * 2
+
+
+def _bad_buffer_then_fixed(make) -> list:
+    torch.manual_seed(0)
+    m = _DrawsThenReads()
+    f = make(m)
+    x, ids = torch.zeros(2), torch.tensor([0, 1])
+    seen = [f(x, ids)]
+    m.idx.fill_(20)  # the buffer goes out of range ...
+    for bad_ids in (ids, torch.tensor([7, 1])):  # ... and on the second call the request's ids too
+        with pytest.raises(IndexError) as raised:
+            f(x, bad_ids)
+        seen.append(str(raised.value).splitlines()[0])
+    m.idx.copy_(torch.tensor([3, 4]))
+    seen += [f(x, ids), torch.rand(3)]  # the generator where eager leaves it
+    return seen
+
+
+def test_an_invariant_part_that_raises_leaves_the_steps_draws_and_error_as_eager(_clean):
+    """The invariant part ran first and raised at once: the step's earlier random draw was skipped
+    (every later draw of the process one behind eager's) and a bad request's own error hidden by
+    the buffer's (helper 159). The unsplit graph now runs on such a call."""
+    ref = _bad_buffer_then_fixed(lambda m: m)
+    got = _bad_buffer_then_fixed(lambda m: torch.compile(m, backend="nosync", options={"codegen": "eager"}))
+    assert counters["nosync"]["cached"] >= 1  # the invariant part was split off
+    assert got[1:3] == ref[1:3]
+    for a, b in zip(got[:1] + got[3:], ref[:1] + ref[3:]):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.inductor
+def test_under_inductor_a_graph_with_a_random_op_is_not_split(_clean):
+    """Under Inductor the unsplit graph a raising invariant part falls back to runs as eager ops,
+    whose draws are not stock Inductor's: such a graph is compiled whole, as stock's."""
+    m = _DrawsThenReads()
+    step = torch.compile(m, backend="nosync", options={"invariant_cache_bytes": 1 << 20})
+    step(torch.zeros(2), torch.tensor([0, 1]))
+    assert counters["nosync"].get("cached", 0) == 0
+    assert not [d for d in torchsync_pass.decisions() if d.action is torchsync_pass.Action.CACHED]
+
+
+def _step(x, tt):
+    if (tt == 0).any():
+        return x * 2
+    return x + 1
+
+
+def test_a_kernel_switch_the_cone_cannot_see_does_not_split_its_memo(_clean):
+    """cudnn.benchmark flipped between two compiles (no effect on ``(tt == 0).any()``): each cache
+    entry kept a memo of its own, and each new request read the value once per entry (2 against
+    stock's 1; helper 159)."""
+    step = torch.compile(_step, backend="nosync", options={"codegen": "eager"})
+    x = torch.ones(4)
+    before = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = False
+        a = torch.tensor([0, 1, 2])
+        for _ in range(3):
+            step(x, a)
+        torch.backends.cudnn.benchmark = True
+        b = torch.tensor([5, 3, 4])
+        for _ in range(3):
+            step(x, b)  # recompiled: the other answer
+        reads = []
+        for r in range(4):
+            tt = torch.tensor([0, 1, 2]) if r % 2 else torch.tensor([5, 3, 4])
+            for _ in range(3):
+                with torchsync_pass.count_syncs() as c:
+                    out = step(x, tt)
+                assert torch.equal(out, _step(x, tt))
+                reads.append(c.total)
+        assert reads == [1, 0, 0] * 4, (reads, torchsync_pass.decisions())
+        tt = torch.tensor([0, 7, 7])
+        with torchsync_pass.count_syncs() as c:
+            torchsync_pass.check_request(step, x, tt, on_change="report")
+            out = step(x, tt)
+        assert torch.equal(out, _step(x, tt))
+        assert c.total == 1  # check_request's read is the guard's
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+class _Sched:
+    def __init__(self) -> None:
+        self.sigmas = torch.linspace(1.0, 0.1, 9, dtype=torch.float64)
+        self.M = torch.eye(3, dtype=torch.float64) * 2
+        self.step_index = 0
+
+    def step(self, x):
+        c = torch.linalg.solve(self.M + self.sigmas[self.step_index], torch.ones(3, dtype=torch.float64))
+        self.step_index += 1
+        return x + c
+
+
+def test_verify_does_not_demote_a_tabulated_op(_clean):
+    """options['verify'] ran each compiled graph on clones of its inputs, and the tabulated solve
+    stored a table for the clones that no call could read: three compiles in a row demoted it (3
+    syncs a step from then on, against 0 without verify; helper 159)."""
+    s = _Sched()
+    step = torch.compile(s.step, backend="nosync", options={"codegen": "eager", "verify": True})
+    for dt in (torch.float64, torch.float32, torch.bfloat16, torch.float16):  # a compile each
+        step(torch.zeros(3, dtype=dt))
+    fresh = _Sched()
+    s.sigmas, s.M, s.step_index = fresh.sigmas.clone(), fresh.M.clone(), 0  # a new request
+    reads = []
+    for _ in range(4):
+        x = torch.zeros(3, dtype=torch.float64)
+        with torchsync_pass.count_syncs() as c:
+            out = step(x)
+        assert_bitwise(out, fresh.step(x))
+        reads.append(c.total)
+    assert reads[1:] == [0, 0, 0], reads
+    assert not [d for d in torchsync_pass.decisions() if d.action is torchsync_pass.Action.DEMOTED]
+
+
+class _Flags:
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.flags = torch.tensor([1, 0, 1, 1, 0, 1], dtype=dtype)
+        self.step_index = 0
+
+    def step(self, x):
+        n = operator.index(self.flags[self.step_index])
+        self.step_index += 1
+        return x * (n + 1), torch.full((2,), n)  # full: int64 for an int n, bool for a bool
+
+
+def test_a_bool_table_read_through_operator_index_is_lifted_as_ints(_clean):
+    """operator.index(torch.tensor(True)) is 1 in eager; the lifting took it for an error ("the
+    tables answer at no index") and the read synced every step (helper 159)."""
+    s, ref = _Flags(torch.bool), _Flags(torch.bool)
+    step = torch.compile(s.step, backend="nosync", options={"codegen": "eager"})
+    x = torch.ones(2)
+    for _ in range(2):
+        assert_bitwise(step(x), ref.step(x))
+    for _ in range(4):
+        with torchsync_pass.count_syncs() as c:
+            out = step(x)
+        assert_bitwise(out, ref.step(x))
+        assert c.total == 0
+
+
+def _breaks_in_an_arm(x, t):
+    if t[0] > 0:
+        return x * 2
+    torch._dynamo.graph_break()
+    return x - 1
+
+
+def _graphs_compiled(backend: str) -> tuple[int, list]:
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    inner = (torchsync_pass.NosyncBackend({"codegen": "eager"}) if backend == "nosync"
+             else torch._dynamo.lookup_backend("eager"))
+    compiled = []
+
+    def counting(gm, example_inputs):
+        compiled.append(gm)
+        return inner(gm, example_inputs)
+
+    counting.compiler_fn = inner  # (so that nosync's tracing hooks see it)
+    # dynamic=True: t's cone is rejected as symbolic, and the branch tried as a select at once
+    step = torch.compile(_breaks_in_an_arm, backend=counting, dynamic=True)
+    outs = [step(torch.ones(3), torch.tensor([(-1.0) ** i, 3.0])) for i in range(4)]
+    return len(compiled), outs
+
+
+def test_a_graph_break_in_an_arm_refuses_the_select_before_a_graph_is_compiled(_clean):
+    """The select was refused only after Dynamo had compiled the graph up to the break in the
+    arm, a graph that never ran: one backend compile more than stock's (helper 158)."""
+    stock, ref = _graphs_compiled("eager")
+    nosync, outs = _graphs_compiled("nosync")
+    assert nosync == stock, (nosync, stock)
+    for a, b in zip(outs, ref):
+        assert_bitwise(a, b)
+    kept = [d for d in torchsync_pass.decisions() if d.action is torchsync_pass.Action.KEPT]
+    assert kept and "an arm breaks the graph" in kept[0].detail
+
+
+def test_an_int_symbolic_under_dynamic_true_is_not_said_to_have_changed(_clean):
+    """dynamic=True makes an int symbolic on the first call; the rejection said Dynamo made it
+    dynamic "after it changed between calls", which it never did (helper 158)."""
+    def step(x, t, n):
+        if (t * n).sum() > 0:
+            return x + 1
+        return x - 1
+
+    f = torch.compile(step, backend="nosync", options={"codegen": "eager"}, dynamic=True)
+    for _ in range(2):
+        assert_bitwise(f(torch.ones(2), torch.tensor(-2.0), 3), step(torch.ones(2), torch.tensor(-2.0), 3))
+    details = [d.detail for d in torchsync_pass.decisions() if d.reason is torchsync_pass.Reason.SYMBOLIC]
+    assert details and all("Python int that Dynamo made dynamic (s" in d for d in details), details
+    assert all("dynamic=True, or it changed between calls" in d for d in details), details
