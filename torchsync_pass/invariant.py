@@ -317,9 +317,11 @@ def _step_examples(runner: "InvariantRunner", cached: list[fx.Node], example_inp
     if any(_torch_private.is_fake(args[i]) for i in runner.leaf_index):
         values: Any = [cone._example(n) for n in cached]
     else:
-        values = runner.miss(args)
-        if values is None:  # it raised, and the graph writes an input: the unsplit graph's path
-            raise RuntimeError("the invariant part raised")
+        runner.raise_errors = True  # the user's error itself: the caller compiles whole
+        try:
+            values = runner.miss(args)
+        finally:
+            runner.raise_errors = False
     return list(args) + [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
 
 
@@ -394,6 +396,7 @@ class InvariantRunner:
         # for a call where one of them shares memory with a leaf (a view of a buffer passed as an
         # argument the step writes before the leaf is read: values computed before the step ran
         # would be stale). Never at trace time (such a leaf is not invariant), only at run time.
+        self.raise_errors = False  # set while the compile computes the step's example inputs
         self.written = written if whole is not None else ()
         # also for a call whose invariant part raises (see _compute)
         self._whole_fn = _torch_private.graph_forward(whole) if whole is not None else None
@@ -455,7 +458,7 @@ class InvariantRunner:
         try:
             return tuple(self._invariant_fn(*leaves))
         except Exception:
-            if self._whole_fn is None:
+            if self._whole_fn is None or self.raise_errors:
                 raise
             return None
 
