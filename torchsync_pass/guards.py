@@ -998,6 +998,18 @@ class SiteCheck:
     def check_leaves(self, leaves: tuple) -> bool:
         return self.check_entry(leaves, None)
 
+    def _only_declared_new(self, leaves: tuple) -> bool:
+        """On a miss: are this call's undeclared leaves (a router's weight, a buffer) the last
+        miss's objects, unchanged, so that only declared leaves are new? A new request by the
+        user's promise, which rule 4 spares as for a site whose leaves are all declared (review 21:
+        ``if (x * self.w).sum() > 0`` with ``x`` declared was demoted for ``x`` alone)."""
+        last = self.cone.last_miss
+        if last is None or not any(self.declared):
+            return False
+        fps = _fingerprints(leaves, self.declared)
+        return all(d or (r() is t and f == g)
+                   for d, r, t, f, g in zip(self.declared, last.refs, leaves, fps, last.fps))
+
     def answer(self, e: _Entry, index: Any) -> Any:
         """The value key ``e`` answers (a lifted table's check: at ``index``)."""
         return e.key
@@ -1020,7 +1032,7 @@ class SiteCheck:
                 if compiling():  # Dynamo checking a fresh entry on the trace's own inputs
                     e = self.cone.evaluate(leaves, self.memo)
                 else:
-                    if _runtime_miss(state, self.cone, self.may_demote):
+                    if _runtime_miss(state, self.cone, self.may_demote and not self._only_declared_new(leaves)):
                         return self._fail_demoted()
                     e = self.cone.evaluate(leaves, self.memo)
                     self.cone.last_miss = e
