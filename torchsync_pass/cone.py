@@ -112,8 +112,27 @@ class ConeResult:
                 tuple(l.where for l in self.leaves))
 
 
+# Dynamo's names for an item of a dict subclass (a transformers ModelOutput, read ``out[0]`` or
+# ``out["last_hidden_state"]``): ``dict.__getitem__(B, list(dict.keys(B))[0])`` and
+# ``dict.__getitem__(B, 'key')``; of a dict by a key it could not write as a constant,
+# ``B[list(dict.keys(B))[0]]``. Made ``B[0]`` / ``B['key']`` (review 21: a ModelOutput field could
+# not be declared).
+_DICT_ITEM_RES = (
+    (re.compile(r"dict\.__getitem__\((?P<b>.+), list\(dict\.keys\((?P=b)\)\)\[(?P<i>\d+)\]\)"), r"\g<b>[\g<i>]"),
+    (re.compile(r"dict\.__getitem__\((?P<b>.+), (?P<k>'[^'\\]*')\)"), r"\g<b>[\g<k>]"),
+    (re.compile(r"(?P<b>.+)\[list\(dict\.keys\((?P=b)\)\)\[(?P<i>\d+)\]\]"), r"\g<b>[\g<i>]"),
+)
+
+
 def dotted_name(source: str) -> str:
-    """``L['self']._modules['attn']._buffers['mask']`` -> ``self.attn.mask``."""
+    """``L['self']._modules['attn']._buffers['mask']`` -> ``self.attn.mask``; an item of a dict
+    (a ModelOutput) by its position among the keys, ``L['out'][0]`` -> ``out.0``."""
+    while "dict.__getitem__(" in source or "list(dict.keys(" in source:
+        before = source
+        for pattern, repl in _DICT_ITEM_RES:
+            source = pattern.sub(repl, source, count=1)
+        if source == before:
+            break
     s = re.sub(r"\._(?:modules|buffers|parameters)\['([^']+)'\]", r".\1", source)
     s = re.sub(r"^[LG]\['([^']+)'\]", r"\1", s)
     s = re.sub(r"\['([^']+)'\]", r".\1", s)
@@ -234,6 +253,16 @@ def _rnn_dropout(node: fx.Node) -> bool:
     return True
 
 
+def _dropout_off(node: fx.Node) -> bool:
+    """A dropout called with a literal ``training=False`` (``F.dropout(h, p, training=self.training)``
+    in an eval model, every transformers layer; ``torch.dropout(x, p, train)``, aten's
+    ``native_dropout(x, p, train)``: the flag is third): it returns its input and draws nothing
+    (review 21: such a cone was rejected as random). Not a literal ``p == 0`` with training on:
+    the fused kernel may still draw its mask."""
+    train = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2 else None))
+    return train is False
+
+
 def is_random(node: fx.Node) -> bool:
     name = _target_name(node)
     if _ATTENTION_RE.search(name):  # F.scaled_dot_product_attention(q, k, v, mask, dropout_p, ...)
@@ -241,6 +270,8 @@ def is_random(node: fx.Node) -> bool:
         # when dropout_p is not a literal 0
         p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
         return not (type(p) in (int, float) and p == 0)
+    if "dropout" in name and _dropout_off(node):
+        return False
     if _RANDOM_RE.search(name) or _RANDOM_ANYWHERE.search(name):
         return True
     if name in _RNN_OPS:  # tagged seeded for their dropout between layers

@@ -83,16 +83,16 @@ def _declared_path(name: str, declared: Iterable[str], source: str = "") -> Opti
     key = dynamo_hooks.code_key(code)
     if key == dynamo_hooks.code_key(entry.code):
         ok = name.split(".")[0] in _arg_names(entry.code)
-        return ("entry", name, declared) if ok and _by_name(name, declared) else None
+        return ("entry", name, declared) if ok and _by_name(name, declared, entry.real) else None
     if _resume_of(code, entry.code, name):
-        return ("entry", name, declared) if _by_name(name, declared) else None
+        return ("entry", name, declared) if _by_name(name, declared, entry.real) else None
     level = entry.levels.get(key)
     if level is None:
         return None
     if name in declared:
         return (key, name, declared)
     path = _translate(name.split("."), level, entry.structural)
-    return ("entry", ".".join(path), declared) if path is not None and _by_name(".".join(path), declared) else None
+    return ("entry", ".".join(path), declared) if path is not None and _by_name(".".join(path), declared, entry.real) else None
 
 
 _DECLARING: "weakref.WeakKeyDictionary[Any, Optional[tuple]]" = weakref.WeakKeyDictionary()
@@ -152,6 +152,8 @@ def resolve(where: tuple, found: Optional[tuple], entry: Optional["_Entry"] = No
 def _step(obj: Any, part: str) -> Any:
     """One part of a dotted path: a key, an index or an attribute."""
     if isinstance(obj, dict):
+        if part not in obj and part.isdigit():  # a dict item by its position (a ModelOutput's ``out[0]``)
+            return obj[list(obj.keys())[int(part)]]
         return obj[part]
     if isinstance(obj, (list, tuple)) and part.isdigit():
         return obj[int(part)]
@@ -166,8 +168,33 @@ def still_declared(wheres: tuple, leaves: tuple) -> bool:
     return entry is not None and all(resolve(where, found, entry) is leaves[i] for i, where in wheres)
 
 
-def _by_name(name: str, declared: tuple) -> bool:
-    return name in declared or (name.startswith("self.") and name[5:] in declared)
+def _by_name(name: str, declared: tuple, real: Any = None) -> bool:
+    """Is ``name`` declared? Also by a key where ``name`` has the position of that key in a dict
+    of the call's arguments ``real`` (``out.0`` declared as ``out.last_hidden_state``)."""
+    if name in declared or (name.startswith("self.") and name[5:] in declared):
+        return True
+    if not isinstance(real, dict) or not any(p.isdigit() for p in name.split(".")[1:]):
+        return False
+    return any(_same_by_key(name, d, real) or (name.startswith("self.") and _same_by_key(name, "self." + d, real))
+               for d in declared)
+
+
+def _same_by_key(name: str, declared: str, real: dict) -> bool:
+    """Does ``declared`` name the item ``name`` reaches by position, by its key instead?"""
+    parts, other = name.split("."), declared.split(".")
+    if len(parts) != len(other) or parts[0] != other[0] or parts[0] not in real:
+        return False
+    obj = real[parts[0]]
+    for a, b in zip(parts[1:], other[1:]):
+        if a != b:
+            if not (a.isdigit() and isinstance(obj, dict) and a not in obj and b in obj
+                    and list(obj.keys()).index(b) == int(a)):
+                return False
+        try:
+            obj = _step(obj, a)
+        except Exception:
+            return False
+    return True
 
 
 def _resume_of(code: Any, fn_code: Any, name: str) -> bool:
