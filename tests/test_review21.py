@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import operator
 
 import pytest
@@ -227,3 +228,88 @@ def test_an_int_symbolic_under_dynamic_true_is_not_said_to_have_changed(_clean):
     details = [d.detail for d in torchsync_pass.decisions() if d.reason is torchsync_pass.Reason.SYMBOLIC]
     assert details and all("Python int that Dynamo made dynamic (s" in d for d in details), details
     assert all("dynamic=True, or it changed between calls" in d for d in details), details
+
+
+class _Out(collections.OrderedDict):
+    """A dict subclass read by position, as transformers' ModelOutput (``encoder_outputs[0]``)."""
+
+    def __getitem__(self, k):
+        if isinstance(k, str):
+            return dict.__getitem__(self, k)
+        return self.to_tuple()[k]
+
+    def to_tuple(self):
+        return tuple(self[k] for k in self.keys())
+
+
+def _reads_the_first_field(x, enc):
+    return x + (enc[0] * 2).sum()
+
+
+@pytest.mark.parametrize("declared", ["enc.h", "enc.0"])
+def test_a_dict_item_is_declared_by_its_key_or_its_position(declared, _clean):
+    """Dynamo names the item ``dict.__getitem__(L['enc'], list(dict.keys(L['enc']))[0])``: no path
+    matched it, so declaring a ModelOutput field (generate's encoder_outputs) cached nothing, with
+    no warning; 'enc.0' raised under strict (helper 156)."""
+    step = torch.compile(_reads_the_first_field, backend="nosync",
+                         options={"codegen": "eager", "invariant": [declared], "strict": True})
+    x = torch.ones(3)
+    for h in (torch.ones(2), torch.ones(2), torch.full((2,), 3.0)):  # then a new request
+        enc = _Out(h=h)
+        assert_bitwise(step(x, enc), _reads_the_first_field(x, enc))
+    cached = [d for d in torchsync_pass.decisions() if d.action is torchsync_pass.Action.CACHED]
+    assert cached and all(d.leaves == ("enc.0",) for d in cached), cached
+    h = torch.ones(2)
+    enc = _Out(h=h)
+    step(x, enc)
+    h.mul_(5.0)  # written in place mid request: recomputed
+    assert_bitwise(step(x, enc), _reads_the_first_field(x, enc))
+
+
+class _Router(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.ones(4))
+
+    def forward(self, x):
+        if (x * self.w).sum() > 0:
+            return x + 1
+        return x - 1
+
+
+def test_a_declared_input_read_with_a_buffer_is_not_demoted_for_the_input_alone(_clean):
+    """``if (x * self.w).sum() > 0`` with ``x`` declared and a new x (one of two values) on each
+    call: demoted LEAVES_CHANGE as if x were undeclared, though only the declared leaf was new and
+    the README says such a site is never demoted for its leaves changing (helper 155)."""
+    m = _Router()
+    step = torch.compile(m, backend="nosync", options={"codegen": "eager", "invariant": ["x"]})
+    for i in range(8):
+        x = torch.full((4,), 1.0 if i % 2 == 0 else -1.0)
+        assert_bitwise(step(x), m(x))
+    actions = [d.action for d in torchsync_pass.decisions()]
+    assert torchsync_pass.Action.DEMOTED not in actions and actions.count(torchsync_pass.Action.HOISTED) == 2, actions
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_dropout_with_training_false_is_not_a_random_op(training, _clean):
+    """F.dropout(h, p, training=self.training) in an eval model (every transformers layer) draws
+    nothing and returns h: its cone was rejected as "random op dropout" (helper 156)."""
+    lin = torch.nn.Linear(4, 4).requires_grad_(False)
+
+    def step(enc, x):
+        if lin(torch.nn.functional.dropout(enc, p=0.0, training=training)).sum() > 0:
+            return x * 0
+        return x + 1
+
+    compiled = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+    enc, x = torch.randn(2, 4), torch.randn(3)
+    for _ in range(3):
+        torch.manual_seed(1)
+        out = compiled(enc, x)
+        torch.manual_seed(1)
+        assert_bitwise(out, step(enc, x))
+    first = torchsync_pass.decisions()[0]
+    if training:
+        assert first.reason is torchsync_pass.Reason.IMPURE_OP, first
+    else:
+        assert first.action is torchsync_pass.Action.HOISTED, first

@@ -195,3 +195,40 @@ def test_an_entry_with_a_demoted_site_fails_before_its_live_sites_read():
     steady = [i for i in range(6, len(plan)) if not rows["stock"][i][1] and not rows["nosync"][i][1]]
     assert len(steady) >= 4, rows
     assert [i for i in steady if rows["nosync"][i][0] > rows["stock"][i][0]] == [], (str(rows["stock"]), str(rows["nosync"]))
+
+
+def test_a_whisper_decoders_encoder_output_is_declared_through_its_model_output():
+    """``generate`` passes ``encoder_outputs`` as a ``BaseModelOutput`` (a dict subclass read as
+    ``encoder_outputs[0]``): declaring ``kwargs.encoder_outputs.last_hidden_state`` cached nothing
+    and warned nothing, even under strict (review 21, helper 156). Now the cross-attention keys and
+    values over it are cached, bitwise equal to eager, recomputed for a new encoder output.
+    The eval model's ``F.dropout(..., training=False)`` no longer stops the caching either."""
+    import torch
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    from transformers.modeling_outputs import BaseModelOutput
+
+    torch.manual_seed(0)
+    model = WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=64, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=16,
+        max_target_positions=32, pad_token_id=1, bos_token_id=2, eos_token_id=3, decoder_start_token_id=2)).eval()
+    attn = "self.model.decoder.layers.0.encoder_attn."
+    declared = ["kwargs.encoder_outputs.last_hidden_state", attn + "k_proj.weight", attn + "v_proj.weight",
+                attn + "v_proj.bias"]
+    ids = torch.tensor([[2, 5, 7]])
+    try:
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+        step = torch.compile(model, backend="nosync", options={"codegen": "eager", "strict": True, "invariant": declared})
+        with torch.no_grad():
+            for h in (torch.randn(1, 8, 16), torch.randn(1, 8, 16)):  # two requests
+                for _ in range(2):
+                    out = step(encoder_outputs=BaseModelOutput(last_hidden_state=h), decoder_input_ids=ids, use_cache=False)
+                    ref = model(encoder_outputs=BaseModelOutput(last_hidden_state=h), decoder_input_ids=ids, use_cache=False)
+                    assert torch.equal(out.logits, ref.logits)
+        over_encoder = [d for d in torchsync_pass.decisions()
+                        if d.action is Action.CACHED and any("encoder_outputs" in leaf for leaf in d.leaves)]
+        assert len(over_encoder) >= 2, torchsync_pass.decisions()
+    finally:
+        torch._dynamo.reset()
+        torchsync_pass.reset()
