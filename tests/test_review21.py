@@ -162,19 +162,30 @@ class _Flags:
         return x * (n + 1), torch.full((2,), n)  # full: int64 for an int n, bool for a bool
 
 
-def test_a_bool_table_read_through_operator_index_is_lifted_as_ints(_clean):
-    """operator.index(torch.tensor(True)) is 1 in eager; the lifting took it for an error ("the
-    tables answer at no index") and the read synced every step (helper 159)."""
-    s, ref = _Flags(torch.bool), _Flags(torch.bool)
+def _index_reads(dtype: torch.dtype) -> int:
+    torch._dynamo.reset()
+    torchsync_pass.reset()
+    s, ref = _Flags(dtype), _Flags(dtype)
     step = torch.compile(s.step, backend="nosync", options={"codegen": "eager"})
     x = torch.ones(2)
     for _ in range(2):
         assert_bitwise(step(x), ref.step(x))
+    reads = 0
     for _ in range(4):
         with torchsync_pass.count_syncs() as c:
             out = step(x)
         assert_bitwise(out, ref.step(x))
-        assert c.total == 0
+        reads += c.total
+    return reads
+
+
+def test_a_bool_table_read_through_operator_index_is_lifted_as_ints(_clean):
+    """operator.index(torch.tensor(True)) is 1 in eager; the lifting took it for an error ("the
+    tables answer at no index") and the read synced every step where an int64 table's is lifted
+    (helper 159). Lifted as the int64 table is (on 2.11, which lifts neither, both sync)."""
+    as_ints = _index_reads(torch.int64)
+    assert as_ints == 0 or _release() < (2, 12)
+    assert _index_reads(torch.bool) == as_ints
 
 
 def _breaks_in_an_arm(x, t):
@@ -211,7 +222,12 @@ def test_a_graph_break_in_an_arm_refuses_the_select_before_a_graph_is_compiled(_
     for a, b in zip(outs, ref):
         assert_bitwise(a, b)
     kept = [d for d in torchsync_pass.decisions() if d.action is torchsync_pass.Action.KEPT]
-    assert kept and "an arm breaks the graph" in kept[0].detail
+    if _release() >= (2, 13):  # (2.11 and 2.12 do not try this select: nothing to refuse)
+        assert kept and "an arm breaks the graph" in kept[0].detail, torchsync_pass.decisions()
+
+
+def _release() -> tuple:
+    return tuple(map(int, torch.__version__.split("+")[0].split(".")[:2]))
 
 
 def test_an_int_symbolic_under_dynamic_true_is_not_said_to_have_changed(_clean):
