@@ -233,7 +233,7 @@ def cache_invariant(gm: fx.GraphModule, opts: Any, example_inputs: Optional[Sequ
         # that input's symbol, and a call with another input size failed its assert
         log.debug("nosync: a graph with symbolic sizes is not split under Inductor")
         return InvariantSplit(False, gm.forward)
-    if compile_step is not None and any(cone.is_random(n) for n in graph.nodes if n.op == "call_function"):
+    if compile_step is not None and any(cone.is_random(n) for n in graph.nodes if n.op in ("call_function", "call_method")):
         # NOTE: a call whose invariant part raises runs the unsplit graph as eager ops (see
         # InvariantRunner._compute): eager's draws, not the ones stock Inductor's code makes
         log.debug("nosync: a graph with a random op is not split under Inductor")

@@ -169,27 +169,38 @@ def still_declared(wheres: tuple, leaves: tuple) -> bool:
 
 
 def _by_name(name: str, declared: tuple, real: Any = None) -> bool:
-    """Is ``name`` declared? Also by a key where ``name`` has the position of that key in a dict
-    of the call's arguments ``real`` (``out.0`` declared as ``out.last_hidden_state``)."""
+    """Is ``name`` declared? Also where a part of one is the position of a dict's key the other
+    names (among the call's arguments ``real``): ``out.0`` declared as ``out.last_hidden_state``,
+    and the reverse."""
     if name in declared or (name.startswith("self.") and name[5:] in declared):
         return True
-    if not isinstance(real, dict) or not any(p.isdigit() for p in name.split(".")[1:]):
+    if not isinstance(real, dict):
         return False
-    return any(_same_by_key(name, d, real) or (name.startswith("self.") and _same_by_key(name, "self." + d, real))
-               for d in declared)
+    return any((_positional(name) or _positional(d)) and (
+        _same_by_key(name, d, real) or (name.startswith("self.") and _same_by_key(name, "self." + d, real)))
+        for d in declared)
+
+
+def _positional(path: str) -> bool:
+    return any(p.isdigit() for p in path.split(".")[1:])
+
+
+def _key_at(obj: Any, key: str, position: str) -> bool:
+    """Is ``key`` the key of the dict ``obj`` at ``position`` (a part that is not a key itself)?"""
+    return (position.isdigit() and isinstance(obj, dict) and position not in obj and key in obj
+            and list(obj.keys()).index(key) == int(position))
 
 
 def _same_by_key(name: str, declared: str, real: dict) -> bool:
-    """Does ``declared`` name the item ``name`` reaches by position, by its key instead?"""
+    """Does ``declared`` name the item ``name`` names, one of them by a key of a dict on the way
+    and the other by its position among the keys?"""
     parts, other = name.split("."), declared.split(".")
     if len(parts) != len(other) or parts[0] != other[0] or parts[0] not in real:
         return False
     obj = real[parts[0]]
     for a, b in zip(parts[1:], other[1:]):
-        if a != b:
-            if not (a.isdigit() and isinstance(obj, dict) and a not in obj and b in obj
-                    and list(obj.keys()).index(b) == int(a)):
-                return False
+        if a != b and not (_key_at(obj, b, a) or _key_at(obj, a, b)):
+            return False
         try:
             obj = _step(obj, a)
         except Exception:
