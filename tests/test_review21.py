@@ -343,3 +343,43 @@ def test_a_dropout_with_training_false_is_not_a_random_op(training, _clean):
         assert first.reason is torchsync_pass.Reason.IMPURE_OP, first
     else:
         assert first.action is torchsync_pass.Action.HOISTED, first
+
+
+def _reads_a(x, d):
+    return x[: int(d["a"][0])] + d["b"]
+
+
+def test_a_position_declared_in_one_key_order_does_not_declare_another_orders_item(_clean):
+    """'d.0' declared 'a' of {"a": a, "b": b}; the guard then resolved the path the step reads
+    (d.a), which names whatever it reads: with the keys in another order ({"b": b, "a": a2}, d.0
+    now b) a new inference tensor a2 was taken for declared, kept by identity only, and its
+    in-place write served stale (helper 161). The declared path is what a later call resolves."""
+    step = torch.compile(_reads_a, backend="nosync", options={"codegen": "eager", "invariant": ["d.0"]})
+    with torch.inference_mode():
+        x, a, b = torch.arange(4.0), torch.full((1,), 3.0), torch.zeros(1)
+        assert_bitwise(step(x, {"a": a, "b": b}), _reads_a(x, {"a": a, "b": b}))
+        a2 = torch.full((1,), 3.0)
+        d2 = {"b": b, "a": a2}
+        assert_bitwise(step(x, d2), _reads_a(x, d2))
+        a2.fill_(1.0)
+        assert_bitwise(step(x, d2), _reads_a(x, d2))
+
+
+def _reads_int_key(x, o):
+    return x[: int(o[1][0])]
+
+
+def test_an_int_keyed_dict_item_is_declared_by_its_key(_clean):
+    """{1: t, 0: u} with 'o.1' declared: the path was read as the position 1 (u), so t was never
+    declared (rejected as an inference tensor, a sync per call; helper 161)."""
+    step = torch.compile(_reads_int_key, backend="nosync",
+                         options={"codegen": "eager", "invariant": ["o.1"], "strict": True})
+    with torch.inference_mode():
+        x, o = torch.arange(4.0), {1: torch.full((1,), 3.0), 0: torch.zeros(1)}
+        for _ in range(2):
+            assert_bitwise(step(x, o), _reads_int_key(x, o))
+        with torchsync_pass.count_syncs() as c:
+            out = step(x, o)
+        assert_bitwise(out, _reads_int_key(x, o))
+    assert c.total == 0
+    assert [d.action for d in torchsync_pass.decisions()] == [torchsync_pass.Action.HOISTED]

@@ -83,16 +83,19 @@ def _declared_path(name: str, declared: Iterable[str], source: str = "") -> Opti
     key = dynamo_hooks.code_key(code)
     if key == dynamo_hooks.code_key(entry.code):
         ok = name.split(".")[0] in _arg_names(entry.code)
-        return ("entry", name, declared) if ok and _by_name(name, declared, entry.real) else None
+        path = _declared_as(name, declared, entry.real) if ok else None
+        return ("entry", path, declared) if path is not None else None
     if _resume_of(code, entry.code, name):
-        return ("entry", name, declared) if _by_name(name, declared, entry.real) else None
+        path = _declared_as(name, declared, entry.real)
+        return ("entry", path, declared) if path is not None else None
     level = entry.levels.get(key)
     if level is None:
         return None
     if name in declared:
         return (key, name, declared)
     path = _translate(name.split("."), level, entry.structural)
-    return ("entry", ".".join(path), declared) if path is not None and _by_name(".".join(path), declared, entry.real) else None
+    found_as = _declared_as(".".join(path), declared, entry.real) if path is not None else None
+    return ("entry", found_as, declared) if found_as is not None else None
 
 
 _DECLARING: "weakref.WeakKeyDictionary[Any, Optional[tuple]]" = weakref.WeakKeyDictionary()
@@ -152,8 +155,10 @@ def resolve(where: tuple, found: Optional[tuple], entry: Optional["_Entry"] = No
 def _step(obj: Any, part: str) -> Any:
     """One part of a dotted path: a key, an index or an attribute."""
     if isinstance(obj, dict):
-        if part not in obj and part.isdigit():  # a dict item by its position (a ModelOutput's ``out[0]``)
-            return obj[list(obj.keys())[int(part)]]
+        if part not in obj and part.isdigit():
+            if int(part) in obj:  # an int key
+                return obj[int(part)]
+            return obj[list(obj.keys())[int(part)]]  # an item by its position (a ModelOutput's ``out[0]``)
         return obj[part]
     if isinstance(obj, (list, tuple)) and part.isdigit():
         return obj[int(part)]
@@ -168,17 +173,28 @@ def still_declared(wheres: tuple, leaves: tuple) -> bool:
     return entry is not None and all(resolve(where, found, entry) is leaves[i] for i, where in wheres)
 
 
-def _by_name(name: str, declared: tuple, real: Any = None) -> bool:
-    """Is ``name`` declared? Also where a part of one is the position of a dict's key the other
-    names (among the call's arguments ``real``): ``out.0`` declared as ``out.last_hidden_state``,
-    and the reverse."""
-    if name in declared or (name.startswith("self.") and name[5:] in declared):
-        return True
+def _by_name(name: str, declared: tuple) -> bool:
+    return name in declared or (name.startswith("self.") and name[5:] in declared)
+
+
+def _declared_as(name: str, declared: tuple, real: Any) -> Optional[str]:
+    """The path by which the leaf named ``name`` is declared, or None: ``name`` itself, or a
+    declared path that names it with a dict's key where ``name`` has its position among the keys
+    in this call's arguments ``real`` (``out.0`` declared as ``out.last_hidden_state``), or the
+    reverse. The declared path is what later calls resolve (:func:`still_declared`): a dict whose
+    keys come in another order names another tensor by the same position (review 21)."""
+    if _by_name(name, declared):
+        return name
     if not isinstance(real, dict):
-        return False
-    return any((_positional(name) or _positional(d)) and (
-        _same_by_key(name, d, real) or (name.startswith("self.") and _same_by_key(name, "self." + d, real)))
-        for d in declared)
+        return None
+    for d in declared:
+        if not (_positional(name) or _positional(d)):
+            continue
+        if _same_by_key(name, d, real):
+            return d
+        if name.startswith("self.") and _same_by_key(name, "self." + d, real):
+            return "self." + d
+    return None
 
 
 def _positional(path: str) -> bool:
