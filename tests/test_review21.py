@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import operator
 
 import pytest
@@ -383,3 +384,63 @@ def test_an_int_keyed_dict_item_is_declared_by_its_key(_clean):
         assert_bitwise(out, _reads_int_key(x, o))
     assert c.total == 0
     assert [d.action for d in torchsync_pass.decisions()] == [torchsync_pass.Action.HOISTED]
+
+
+def _passes_on(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def _method_passes_on(fn):
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):  # diffusers' shape
+        return fn(self, *args, **kwargs)
+    return wrapper
+
+
+@_passes_on
+def _wrapped_reads_a(x, d):
+    return x[: int(d["a"][0])] + d["b"]
+
+
+class _BreaksThenReads(torch.nn.Module):
+    @_method_passes_on
+    def forward(self, x, img_ids=None):
+        x = x * 1
+        torch._dynamo.graph_break()
+        return x[: int(img_ids[0])]
+
+
+def _hoisted_with_no_sync(step, ref, *args, **kwargs) -> None:
+    with torch.inference_mode():
+        for _ in range(2):
+            step(*args, **kwargs)
+        with torchsync_pass.count_syncs() as c:
+            out = step(*args, **kwargs)
+        assert_bitwise(out, ref(*args, **kwargs))
+    assert c.total == 0, torchsync_pass.decisions()
+
+
+@pytest.mark.parametrize("declared", ["kwargs.d.0", "kwargs.d.a"])
+def test_a_wrappers_own_path_declares_a_dict_item_by_position(declared, _clean):
+    """A wraps wrapper's own path to a dict item by its position ('kwargs.d.0') declared nothing
+    (matched only exactly), and under strict raised "no argument 'kwargs'" (helper 162)."""
+    with torch.inference_mode():
+        x, d = torch.arange(4.0), {"a": torch.full((1,), 3.0), "b": torch.zeros(1)}
+    step = torch.compile(_wrapped_reads_a, backend="nosync",
+                         options={"codegen": "eager", "invariant": [declared], "strict": True})
+    _hoisted_with_no_sync(step, _wrapped_reads_a.__wrapped__, x, d=d)
+
+
+@pytest.mark.parametrize("declared", ["kwargs.img_ids", "img_ids"])
+def test_a_wrappers_path_declares_after_a_graph_break_in_the_function_it_wraps(declared, _clean):
+    """diffusers' wrapper(self, *args, **kwargs) around a forward with a graph break before the
+    read: 'kwargs.img_ids' (the README's own example) declared nothing in the resume function, and
+    under strict raised "no argument 'kwargs'" (helper 162)."""
+    m = _BreaksThenReads()
+    with torch.inference_mode():
+        x, ids = torch.arange(4.0), torch.full((1,), 3.0)
+    step = torch.compile(m, backend="nosync", options={"codegen": "eager", "invariant": [declared], "strict": True})
+    _hoisted_with_no_sync(step, functools.partial(_BreaksThenReads.forward.__wrapped__, m), x, img_ids=ids)

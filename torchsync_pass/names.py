@@ -81,18 +81,30 @@ def _declared_path(name: str, declared: Iterable[str], source: str = "") -> Opti
     if entry is None or code is None:
         return None
     key = dynamo_hooks.code_key(code)
-    if key == dynamo_hooks.code_key(entry.code):
-        ok = name.split(".")[0] in _arg_names(entry.code)
-        path = _declared_as(name, declared, entry.real) if ok else None
-        return ("entry", path, declared) if path is not None else None
-    if _resume_of(code, entry.code, name):
+    own = key == dynamo_hooks.code_key(entry.code)
+    if (own and name.split(".")[0] in _arg_names(entry.code)) or (not own and _resume_of(code, entry.code, name)):
         path = _declared_as(name, declared, entry.real)
-        return ("entry", path, declared) if path is not None else None
+        if path is not None:
+            return ("entry", path, declared)
+        # or by a wrapper's own path to it (``kwargs.img_ids`` for ``img_ids``), where the function
+        # is compiled as a frame of its own or resumed after a graph break in it (review 21)
+        for k, _, _ in entry.wrappers():
+            for d in declared:
+                inner = _translate(d.split("."), entry.levels[k], entry.structural)
+                if inner is not None and _declared_as(name, (".".join(inner),), entry.real) is not None:
+                    return (k, d, declared)
+        return None
+    if own:
+        return None
     level = entry.levels.get(key)
     if level is None:
         return None
     if name in declared:
         return (key, name, declared)
+    here = _fill(level, entry.args, entry.kwargs)  # the wrapper's own names in this call
+    for d in declared:  # a dict item by key and by position (``kwargs.d.0``; review 21)
+        if (_positional(name) or _positional(d)) and _same_by_key(name, d, here):
+            return (key, d, declared)
     path = _translate(name.split("."), level, entry.structural)
     found_as = _declared_as(".".join(path), declared, entry.real) if path is not None else None
     return ("entry", found_as, declared) if found_as is not None else None
@@ -263,7 +275,13 @@ def _translate(parts: list[str], level: dict, final: dict) -> Optional[list[str]
     return None
 
 
-def _scopes(entry: "_Entry") -> list[tuple[Any, dict]]:
+def _resume_of_entry(code: Any, entry: "_Entry") -> bool:
+    """Is ``code`` a resume function of the function given to torch.compile?"""
+    resume = re.match(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$", code.co_name)
+    return bool(resume) and resume.group(1) == entry.code.co_name and code.co_filename == entry.code.co_filename
+
+
+def _scopes(entry: "_Entry", compiled: Any = None) -> list[tuple[Any, dict]]:
     """Where the names resolve: the function given to torch.compile, and the frame compiled when
     it is a wrapper on the way to it (its own names: ``kwargs.ids``)."""
     scopes = [(entry.code, entry.real)]
@@ -271,6 +289,12 @@ def _scopes(entry: "_Entry") -> list[tuple[Any, dict]]:
     if code is not None and isinstance(frame_locals, dict) and dynamo_hooks.code_key(code) in entry.levels \
             and dynamo_hooks.code_key(code) != dynamo_hooks.code_key(entry.code):
         scopes.append((code, frame_locals))
+    frame = compiled if compiled is not None else code
+    if frame is not None and (dynamo_hooks.code_key(frame) == dynamo_hooks.code_key(entry.code)
+                              or (dynamo_hooks.RESUME_RE.match(frame.co_name) and _resume_of_entry(frame, entry))):
+        # the function compiled as a frame of its own (a graph break in it under its wrapper's
+        # frame), or the code after a graph break in it: the wrappers' own paths name its arguments too
+        scopes += [(c, real) for _, c, real in entry.wrappers()]
     return scopes
 
 
@@ -291,6 +315,17 @@ class _Entry:
     structural: dict  # its parameters -> _Slot (or an object the wrappers add: a bound self)
     levels: dict  # code_key of each function on the way -> its parameters -> _Slot
     fn: Any = None  # the function itself
+    codes: dict = dataclasses.field(default_factory=dict)  # code_key of each function on the way -> its code
+    args: tuple = ()  # this call's arguments, as given to the compiled callable
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def wrappers(self) -> Iterator[tuple[Any, Any, dict]]:
+        """(code key, code, its parameters -> this call's arguments) of each function on the way to
+        the one given to torch.compile (a decorator's wrapper), not that function itself."""
+        own = dynamo_hooks.code_key(self.code)
+        for k, level in self.levels.items():
+            if k != own and k in self.codes:
+                yield k, self.codes[k], _fill(level, self.args, self.kwargs)
 
 
 def _bind(fn: Any, args: tuple, kwargs: dict) -> Optional[dict]:
@@ -335,10 +370,11 @@ def _entry_scope(call: Optional[tuple] = None) -> Optional[_Entry]:
         return None
     fn, args, kwargs = call
     slots = tuple(_Slot(i) for i in range(len(args))), {k: _Slot(k) for k in kwargs}
-    levels = {}
+    levels, codes = {}, {}
     for fn, a, k in _unwrapping(fn, *slots):
         if isinstance(fn, types.FunctionType) and (bound := _bind(fn, a, k)) is not None:
             levels[dynamo_hooks.code_key(fn.__code__)] = bound
+            codes[dynamo_hooks.code_key(fn.__code__)] = fn.__code__
     # NOTE: a functools.wraps wrapper the unwrapping stopped at (it rebuilds its ``*args``) is the
     # function whose names count, not a hidden one: its ``__wrapped__`` says what it wraps
     if not isinstance(fn, types.FunctionType) or (_opaque(fn) and not hasattr(fn, "__wrapped__")):
@@ -346,7 +382,8 @@ def _entry_scope(call: Optional[tuple] = None) -> Optional[_Entry]:
     structural = levels.get(dynamo_hooks.code_key(fn.__code__))
     if structural is None:
         return None
-    return _Entry(fn.__code__, {p: _fill(v, args, kwargs) for p, v in structural.items()}, structural, levels, fn)
+    return _Entry(fn.__code__, {p: _fill(v, args, kwargs) for p, v in structural.items()}, structural, levels, fn,
+                  codes, args, kwargs)
 
 
 def _unwrapping(fn: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Iterator[tuple[Any, tuple, dict]]:
@@ -476,7 +513,7 @@ def check_declared_names(code: Any, frame_locals: Any, opts: Any) -> None:
     call = _torch_private.compile_entry_call()
     entry = _entry_scope(call)
     if entry is not None:
-        scopes = _scopes(entry)
+        scopes = _scopes(entry, code)
     elif call is not None or dynamo_hooks.RESUME_RE.match(code.co_name) or _in_torch(code) \
             or _pass_on_shape(code):  # a function hidden by a wrapper
         return
