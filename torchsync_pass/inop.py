@@ -217,7 +217,6 @@ def cone_modules() -> list[fx.GraphModule]:
         return list(_MODULES)
 
 
-
 _UNSTORED = threading.local()
 
 
@@ -312,15 +311,26 @@ class TabulatedOp:
             return False, None  # a cached value would carry one call's autograd graph
         if self.wheres and not self._still_declared(leaves):
             return False, None
-        # NOTE: one table per global state a value depends on (grad and inference mode, autocast,
-        # default dtype, bits state): a graph with a table and no hoisted site has no nosync guard
-        # to check that state, and a guard filter may have dropped Dynamo's own
         if getattr(_UNSTORED, "on", False):  # verify's run on clones of the inputs (see unstored)
             try:
                 table = self._compute(leaves)
             except TableTooLarge:
                 return False, None
-            return (True, table.values[i]) if 0 <= i < len(table.ok) and table.ok[i] else (False, None)
+        else:
+            table = self._stored_table(leaves)
+            if table is None:
+                return False, None
+        if not (0 <= i < len(table.ok)) or not table.ok[i]:
+            return False, None
+        return True, table.values[i]
+
+    def _stored_table(self, leaves: tuple) -> Optional[Table]:
+        """The memo's table for ``leaves``, computed and stored on a miss; None when there is none
+        to read (the op is demoted now, or the table would be too large)."""
+        shared = self.shared
+        # NOTE: one table per global state a value depends on (grad and inference mode, autocast,
+        # default dtype, bits state): a graph with a table and no hoisted site has no nosync guard
+        # to check that state, and a guard filter may have dropped Dynamo's own
         bits = value_state()
         memo = shared.memos.get(bits)
         if memo is None:
@@ -330,22 +340,19 @@ class TabulatedOp:
         if entry is None:
             if len(shared.recent) >= STALE_TABLES and not any(t.hits for t in shared.recent):
                 self._demote()
-                return False, None
+                return None
             fps = memo.fingerprints(leaves)  # before the table: see ConeMemo.store
             try:
                 table = self._compute(leaves)
             except TableTooLarge:
-                return False, None
+                return None
             entry = memo.store(leaves, None, table, fps)
             shared.recent = (shared.recent + [table])[-STALE_TABLES:]
             c["table_computes"] += 1
         else:
             c["table_hits"] += 1
             entry.value.hits += 1
-        table = entry.value
-        if not (0 <= i < len(table.ok)) or not table.ok[i]:
-            return False, None
-        return True, table.values[i]
+        return entry.value
 
     def _demote(self) -> None:
         self.shared.demoted = True

@@ -101,10 +101,10 @@ def _declared_path(name: str, declared: Iterable[str], source: str = "") -> Opti
         return None
     if name in declared:
         return (key, name, declared)
-    here = _fill(level, entry.args, entry.kwargs)  # the wrapper's own names in this call
-    for d in declared:  # a dict item by key and by position (``kwargs.d.0``; review 21)
-        if (_positional(name) or _positional(d)) and _same_by_key(name, d, here):
-            return (key, d, declared)
+    # a dict item by key and by position in the wrapper's own names (``kwargs.d.0``; review 21)
+    by_key = _by_key_or_position(name, declared, _fill(level, entry.args, entry.kwargs))
+    if by_key is not None:
+        return (key, by_key, declared)
     path = _translate(name.split("."), level, entry.structural)
     found_as = _declared_as(".".join(path), declared, entry.real) if path is not None else None
     return ("entry", found_as, declared) if found_as is not None else None
@@ -199,13 +199,15 @@ def _declared_as(name: str, declared: tuple, real: Any) -> Optional[str]:
         return name
     if not isinstance(real, dict):
         return None
-    for d in declared:
-        if not (_positional(name) or _positional(d)):
-            continue
-        if _same_by_key(name, d, real):
+    return _by_key_or_position(name, [*declared, *("self." + d for d in declared if name.startswith("self."))], real)
+
+
+def _by_key_or_position(name: str, paths: Iterable[str], real: dict) -> Optional[str]:
+    """The first of ``paths`` that names the item ``name`` names in ``real`` (a namespace: its
+    names -> this call's objects), one by a dict's key where the other has its position."""
+    for d in paths:
+        if (_positional(name) or _positional(d)) and _same_by_key(name, d, real):
             return d
-        if name.startswith("self.") and _same_by_key(name, "self." + d, real):
-            return "self." + d
     return None
 
 
@@ -239,16 +241,24 @@ def _same_by_key(name: str, declared: str, real: dict) -> bool:
 def _resume_of(code: Any, fn_code: Any, name: str) -> bool:
     """Is ``code`` the resume function of ``fn_code`` (the code after a graph break) and the root
     of ``name`` an argument ``fn_code`` never assigns (the same object there on every call)?"""
-    resume = re.match(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$", code.co_name)
-    if not resume or resume.group(1) != fn_code.co_name or code.co_filename != fn_code.co_filename:
+    line = _resume_line(code, fn_code)
+    if line is None:
         return False
-    line = int(resume.group(2))
     if not _spans(fn_code, line) or any(_spans(c, line) for c in fn_code.co_consts if isinstance(c, types.CodeType)):
         return False  # another function's, or a nested function's of the same name
     stored = {i.argval for i in dis.get_instructions(fn_code) if i.opname in ("STORE_FAST", "DELETE_FAST", "STORE_DEREF")}
     root = name.split(".")[0]
     # (an argument a closure captures may be rebound by it: ``nonlocal mask``)
     return root in _arg_names(fn_code) and root not in stored and root not in fn_code.co_cellvars
+
+
+def _resume_line(code: Any, fn_code: Any) -> Optional[int]:
+    """The line of ``fn_code`` whose graph break ``code`` resumes after, where ``code`` is named
+    as a resume function of it (same name, same file); else None."""
+    resume = re.match(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$", code.co_name)
+    if not resume or resume.group(1) != fn_code.co_name or code.co_filename != fn_code.co_filename:
+        return None
+    return int(resume.group(2))
 
 
 def _spans(code: Any, line: int) -> bool:
@@ -275,12 +285,6 @@ def _translate(parts: list[str], level: dict, final: dict) -> Optional[list[str]
     return None
 
 
-def _resume_of_entry(code: Any, entry: "_Entry") -> bool:
-    """Is ``code`` a resume function of the function given to torch.compile?"""
-    resume = re.match(r"^torch_dynamo_resume_in_(.+)_at_(\d+)$", code.co_name)
-    return bool(resume) and resume.group(1) == entry.code.co_name and code.co_filename == entry.code.co_filename
-
-
 def _scopes(entry: "_Entry", compiled: Any = None) -> list[tuple[Any, dict]]:
     """Where the names resolve: the function given to torch.compile, and the frame compiled when
     it is a wrapper on the way to it (its own names: ``kwargs.ids``)."""
@@ -291,7 +295,7 @@ def _scopes(entry: "_Entry", compiled: Any = None) -> list[tuple[Any, dict]]:
         scopes.append((code, frame_locals))
     frame = compiled if compiled is not None else code
     if frame is not None and (dynamo_hooks.code_key(frame) == dynamo_hooks.code_key(entry.code)
-                              or (dynamo_hooks.RESUME_RE.match(frame.co_name) and _resume_of_entry(frame, entry))):
+                              or _resume_line(frame, entry.code) is not None):
         # the function compiled as a frame of its own (a graph break in it under its wrapper's
         # frame), or the code after a graph break in it: the wrappers' own paths name its arguments too
         scopes += [(c, real) for _, c, real in entry.wrappers()]
