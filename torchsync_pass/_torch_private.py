@@ -40,6 +40,8 @@ private name                                                     used by
                                                                  :func:`is_op_packet`
 ``torch._ops.HigherOrderOperator``                               :func:`is_higher_order_op`
 ``untyped_storage()._cdata``                                     :func:`storage_id`
+``torch._C._storage_address``                                    :func:`storage_address`
+``torch.multiprocessing.reductions.StorageWeakRef``              :func:`storage_pin`
 ``Tensor._is_view``                                              :func:`is_view`
 ``torch._guards.TracingContext.get_traced_code``                 :func:`traced_code`
 ``node.meta["example_value"]`` (Dynamo's traced value)           :func:`example_value`
@@ -672,6 +674,20 @@ def is_higher_order_op(t: Any) -> bool:
 def storage_id(t: torch.Tensor) -> int:
     """An id of the storage behind ``t``, equal for views of the same storage."""
     return t.untyped_storage()._cdata
+
+
+# The address of a tensor's StorageImpl (``untyped_storage()._cdata``) in one C call, without the
+# Python storage object (it runs per leaf in every guard's fast path).
+storage_address: Callable[[torch.Tensor], int] = getattr(
+    torch._C, "_storage_address", lambda t: t.untyped_storage()._cdata)
+
+
+def storage_pin(t: torch.Tensor) -> Any:
+    """A weak reference to ``t``'s storage: while it lives, the storage's StorageImpl memory stays
+    allocated (its data does not), so no other storage gets the address :func:`storage_id` gave."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
 
 
 def traced_code() -> list:

@@ -112,13 +112,27 @@ def _hoistable(v: Any, depth: int = 0) -> bool:
 # and negative bits (``t.data = t.conj()`` keeps all the others; a leaf whose requires_grad flips
 # needs a cached value with its autograd graph), so the memo is never looser than the fast path.
 # An undeclared leaf: ``_version`` raises on an inference tensor, so the guard fails closed.
-_FP_VERSIONED = "({t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype, {t}.device, {t}.requires_grad, {t}.is_conj(), {t}.is_neg())"
+# The address of the leaf's StorageImpl (:func:`_torch_private.storage_address`) tells a
+# ``t.data = new`` swap apart: the swap keeps the object and its version, and the allocator may
+# hand the new data the address a freed earlier weight had (an older memo entry then matched:
+# review 22). A key holds weak references to its leaves' storages (:func:`storage_pins`): while it
+# lives, no other storage can be made at an address it names.
+_FP_VERSIONED = "({t}._version, {t}.data_ptr(), _nosync_storage_address({t}), {t}.shape, {t}.stride(), {t}.dtype, {t}.device, {t}.requires_grad, {t}.is_conj(), {t}.is_neg())"
 # A declared leaf, decided per tensor (never per cone: one argument can be an inference tensor on
 # one call and an ordinary one on the next): an inference tensor has no ``_version``, it is checked
 # by identity and metadata only (the user promised no in-place writes); any other by its version.
-_FP_DECLARED = "({t}.is_inference() or {t}._version, {t}.data_ptr(), {t}.shape, {t}.stride(), {t}.dtype, {t}.device, {t}.requires_grad, {t}.is_conj(), {t}.is_neg())"
-_fp_versioned = eval("lambda t: " + _FP_VERSIONED.format(t="t"))  # noqa: S307 - constant source
-_fp_declared = eval("lambda t: " + _FP_DECLARED.format(t="t"))  # noqa: S307 - constant source
+_FP_DECLARED = "({t}.is_inference() or {t}._version, {t}.data_ptr(), _nosync_storage_address({t}), {t}.shape, {t}.stride(), {t}.dtype, {t}.device, {t}.requires_grad, {t}.is_conj(), {t}.is_neg())"
+# the name the fingerprint expressions call the storage's address by: every namespace that runs
+# them (these lambdas, the fused guard, the invariant runner) binds it (FP_ENV)
+FP_ENV = {"_nosync_storage_address": _torch_private.storage_address}
+_fp_versioned = eval("lambda t: " + _FP_VERSIONED.format(t="t"), dict(FP_ENV))  # noqa: S307 - constant source
+_fp_declared = eval("lambda t: " + _FP_DECLARED.format(t="t"), dict(FP_ENV))  # noqa: S307 - constant source
+
+
+def storage_pins(leaves: tuple) -> tuple:
+    """Weak references to the leaves' storages: they keep each StorageImpl's memory (not its data)
+    allocated, so its address, in the fingerprints taken with them, names no later storage."""
+    return tuple([_torch_private.storage_pin(t) for t in leaves])
 
 
 def _fingerprints(leaves: tuple, declared: Any) -> tuple:
@@ -130,12 +144,13 @@ def _fingerprints(leaves: tuple, declared: Any) -> tuple:
 # dtype, sizes and strides (with device, requires_grad and dispatch keys: stricter, so a fast path
 # falls back to the memo more often, never less) in one C++ call, ``_torch_private.tensor_match``.
 # Where that is unavailable the key holds the full fingerprints and no check.
-_VP_VERSIONED = "{t}._version, {t}.data_ptr()"
-_VP_DECLARED = "{t}.is_inference() or {t}._version, {t}.data_ptr()"
+_VP_VERSIONED = "{t}._version, {t}.data_ptr(), _nosync_storage_address({t})"
+_VP_DECLARED = "{t}.is_inference() or {t}._version, {t}.data_ptr(), _nosync_storage_address({t})"
 
 
 def fast_key(leaves: tuple, declared: Any, previous: Optional[tuple] = None) -> tuple:
-    """``(values, check)``: what :func:`same_call_expr` compares the leaves of a later call with.
+    """``(values, check, pins)``: what :func:`same_call_expr` compares the leaves of a later call
+    with (``pins``: :func:`storage_pins`, held as long as the key).
 
     ``previous``, the caller's last key: its metadata check is kept when it passes on these leaves
     (a new request's tensors usually have the last one's shapes), so the check says exactly what a
@@ -148,13 +163,15 @@ def fast_key(leaves: tuple, declared: Any, previous: Optional[tuple] = None) -> 
         reuse = False
     if not reuse:
         check = _torch_private.tensor_match(leaves)
+    pins = storage_pins(leaves)  # taken before the fingerprints (item 2 of each key names them)
     if check is None:
-        return _fingerprints(leaves, declared), None
+        return _fingerprints(leaves, declared), None, pins
     values: list = []
     for t, d in zip(leaves, declared):
         values.append(t.is_inference() or t._version if d else t._version)
         values.append(t.data_ptr())
-    return tuple(values), check
+        values.append(_torch_private.storage_address(t))
+    return tuple(values), check, pins
 
 
 def same_call_expr(names: list[str], declared: Any, refs: str, key: str) -> str:
@@ -316,14 +333,16 @@ class _Entry:
     key: Any
     value: Any
     hits: int = 0  # call-time guard evaluations answered by this entry
+    pins: tuple = ()  # storage_pins of the leaves its fingerprints name
 
 
 class _Fps(tuple):
     """Fingerprints, with the number of :func:`forget_all` calls begun when they were taken, and
     whether one was running then."""
 
-    def __new__(cls, fps: tuple) -> "_Fps":
+    def __new__(cls, fps: tuple, pins: tuple = ()) -> "_Fps":
         self = super().__new__(cls, fps)
+        self.pins = pins
         self.forgets, ended = _FORGETS  # (one read: a list's unpacking holds the GIL)
         self.quiet = self.forgets == ended
         return self
@@ -412,7 +431,8 @@ class ConeMemo:
 
     def fingerprints(self, leaves: tuple) -> tuple:
         """What :meth:`store` keys an entry by; take it *before* computing the value (see store)."""
-        return _Fps(_fingerprints(leaves, self.declared))
+        pins = storage_pins(leaves)
+        return _Fps(_fingerprints(leaves, self.declared), pins)
 
     def store(self, leaves: tuple, key: Any, value: Any, fps: Optional[tuple] = None) -> _Entry:
         """Remember ``value`` for ``leaves`` as they were when ``fps = self.fingerprints(leaves)``
@@ -422,8 +442,11 @@ class ConeMemo:
         # Once per new request and cone: plain loops, no generators.
         dead = self._leaf_died
         if fps is None:
+            pins = storage_pins(leaves)
             fps = _fingerprints(leaves, self.declared)
-        e = _Entry(tuple([weakref.ref(t, dead) for t in leaves]), fps, key, value)
+        else:
+            pins = fps.pins if isinstance(fps, _Fps) else storage_pins(leaves)
+        e = _Entry(tuple([weakref.ref(t, dead) for t in leaves]), fps, key, value, pins=pins)
         with self.lock:
             # NOTE: asked under the lock clear() takes after forget_all counts: a forget either is
             # seen here or empties the memo after this store
@@ -1234,6 +1257,7 @@ class SiteCheck:
             ours[f"get_precisions{i}"], ours[f"precisions{i}"] = reader, value
         env = dynamo_hooks.guard_env()
         env.update({p + k: v for k, v in ours.items()})
+        env.update(FP_ENV)
         exec("\n".join(lines), env)  # noqa: S102 - sources are Dynamo guard expressions
         run = env["run"]
         return run

@@ -82,7 +82,7 @@ import torch
 from torch import fx
 
 from . import _torch_private, cone, dynamo_hooks, guards, names, rewrite, symbolic
-from .guards import (MEMO_SIZE, ConeMemo, counters, fast_key, forgettable, precision_reader, record_decision,
+from .guards import (FP_ENV, MEMO_SIZE, ConeMemo, counters, fast_key, forgettable, precision_reader, record_decision,
                      same_call_expr, value_state)
 from .report import Action, Decision, Reason
 
@@ -599,6 +599,7 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any],
            "fp32_precisions": runner.read_precisions}
     if token is not None:
         env["ran"], env["unguarded"] = token
+    env.update(FP_ENV)
     exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
     call = env["call"]
     call._nosync_runner = runner
