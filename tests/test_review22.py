@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -49,3 +51,147 @@ def test_a_weight_swapped_by_data_assignment_is_never_served_an_older_weights_va
             if not torch.equal(got, want):
                 wrong.append(k)
     assert wrong == []
+
+
+# --------------------------------------------------------------------------------------------
+# explain and count_syncs on scripts nobody wrote for them (helper 166)
+# --------------------------------------------------------------------------------------------
+def _explain_json(capsys, *argv: str) -> tuple[int, dict]:
+    import json
+
+    from torchsync_pass import explain
+
+    rc = explain.main(["--json", "--progress", "0", *argv])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def _script(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def test_explain_counts_the_reads_of_a_thread_that_outlives_the_scripts_last_line(tmp_path, capsys):
+    """The count closed when the script's body returned: a non-daemon worker's reads after it
+    were missed (0 of 3) and its output came after the report."""
+    s = _script(tmp_path / "worker.py", (
+        "import threading, time, torch\n"
+        "x = torch.tensor(2.0)\n"
+        "def work():\n"
+        "    time.sleep(0.3)\n"
+        "    for _ in range(3):\n"
+        "        x.item()\n"
+        "threading.Thread(target=work).start()\n"))
+    rc, rep = _explain_json(capsys, s)
+    assert rc == 0
+    assert rep["totals"]["syncs"] == 3
+
+
+def test_explain_json_stays_parseable_when_a_child_process_writes_to_stdout(tmp_path):
+    """Only sys.stdout was redirected: a child process (or C code) writing to file descriptor 1
+    put its text before the JSON object."""
+    import json
+    import subprocess
+    import sys
+
+    s = _script(tmp_path / "child.py", (
+        "import os, subprocess, sys\n"
+        "subprocess.run([sys.executable, '-c', 'print(\"from a child\")'], check=True)\n"
+        "os.write(1, b'from fd 1\\n')\n"))
+    proc = subprocess.run([sys.executable, "-m", "torchsync_pass.explain", "--json", "--progress", "0", s],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["exit_code"] == 0
+    assert "from a child" in proc.stderr and "from fd 1" in proc.stderr
+
+
+def test_explain_lists_a_compiled_module_whose_forward_is_torchs_own(tmp_path, capsys, _clean):
+    """Every function whose file is inside torch was filtered out (meant for nosync's self-test
+    probes): a compiled nn.Sequential showed "(none compiled with torch.compile in this run)"."""
+    s = _script(tmp_path / "seq.py", (
+        "import torch\n"
+        "m = torch.compile(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), backend='eager')\n"
+        "m(torch.ones(2))\n"))
+    rc, rep = _explain_json(capsys, s)
+    assert rc == 0
+    assert len(rep["compiled"]) == 1
+    assert rep["compiled"][0]["graphs"] == 1
+
+
+def test_explain_gives_the_script_an_absolute_file_path(tmp_path, capsys, monkeypatch):
+    """As Python (3.9+) does: a script run by a relative path that changes directory and then opens
+    a file beside it by __file__ failed under explain only (FileNotFoundError)."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "data.txt").write_text("3.5")
+    (tmp_path / "sub" / "s.py").write_text(
+        "import os\nhere = os.path.dirname(__file__)\nos.chdir(os.sep)\n"
+        "print(open(os.path.join(here, 'data.txt')).read())\n")
+    monkeypatch.chdir(tmp_path)
+    rc, rep = _explain_json(capsys, os.path.join("sub", "s.py"))
+    assert rc == 0 and rep["exit_code"] == 0
+
+
+def test_explain_gate_fails_even_where_the_scripts_status_reads_as_zero(tmp_path, capsys):
+    """sys.exit(256) is a non-zero status that the OS reads as 0: a failed --max-syncs gate kept
+    it, and the run passed."""
+    s = _script(tmp_path / "x.py", "import sys, torch\ntorch.tensor(1.0).item()\nsys.exit(256)\n")
+    rc, _ = _explain_json(capsys, "--max-syncs", "0", s)
+    assert rc % 256 != 0
+
+
+def test_explain_calls_column_counts_the_call_running_when_the_profiler_restarts(tmp_path, capsys):
+    """An import pauses the profiler, which restarts inside the next call (at its .item()): the
+    profiler names that frame by its current line, so the call matched no function (4 of 5)."""
+    (tmp_path / "fresh_module_review22.py").write_text("VALUE = 1\n")
+    s = _script(tmp_path / "calls.py", (
+        "import torch\n"
+        "def read(t):\n"
+        "    return t.item()\n"
+        "x = torch.tensor(1.0)\n"
+        "import fresh_module_review22\n"
+        "for _ in range(5):\n"
+        "    read(x)\n"))
+    rc, rep = _explain_json(capsys, s)
+    assert rc == 0
+    (site,) = [st for st in rep["sites"] if st["line"] == 3]
+    assert site["count"] == 5
+    assert site["calls"] == 5
+
+
+def test_explain_tells_compiles_apart_across_a_dynamo_reset(tmp_path, capsys, _clean):
+    """Compile ids start again at 0/0 after torch._dynamo.reset(): f's graph break (compile 0/0)
+    was listed under h, compiled after the reset as 0/0 too, and a nosync hoist after a reset was
+    marked discarded for a failed compile of the same id before it."""
+    s = _script(tmp_path / "resets.py", (
+        "import torch\n"
+        "def f(x):\n"
+        "    return x * x.sum().item()\n"
+        "def h(x):\n"
+        "    return x + 1\n"
+        "def bad(x):\n"
+        "    torch._dynamo.graph_break()\n"
+        "    return x\n"
+        "def g(x, s):\n"
+        "    if s.item() > 1.0:\n"
+        "        x = x * s\n"
+        "    return x + 1\n"
+        "x = torch.randn(4)\n"
+        "torch.compile(f, backend='eager')(x)\n"
+        "torch._dynamo.reset()\n"
+        "torch.compile(h, backend='eager')(x)\n"
+        "torch._dynamo.reset()\n"
+        "try:\n"
+        "    torch.compile(bad, backend='eager', fullgraph=True)(x)\n"
+        "except Exception:\n"
+        "    pass\n"
+        "torch._dynamo.reset()\n"
+        "cg = torch.compile(g, backend='nosync', options={'codegen': 'eager'})\n"
+        "for _ in range(3):\n"
+        "    cg(x, torch.tensor(2.0))\n"))
+    rc, rep = _explain_json(capsys, s)
+    assert rc == 0
+    by_name = {c["function"]: c for c in rep["compiled"]}
+    assert [b["line"] for b in by_name["f"]["graph_breaks"]] == [3]
+    assert by_name["h"]["graph_breaks"] == []
+    hoists = [d for d in rep["nosync"] if d["action"] == "hoisted" and d["site"]["line"] == 10]
+    assert hoists and not any(d.get("discarded") for d in hoists)

@@ -954,6 +954,9 @@ def watch_compiles(on_start: Callable[[], None], on_end: Callable[[], None]) -> 
         current = getattr(callback_handler, attr)
         if type(current) is list:
             setattr(callback_handler, attr, _ClearKeeps(current))
+    # one reset clears both lists: the start list counts it (dynamo_resets)
+    if isinstance(callback_handler.start_callbacks, _ClearKeeps):
+        callback_handler.start_callbacks.counts_resets = True
     _KEPT_CALLBACKS.update((id(start), id(end)))
     callback_handler.register_start_callback(start)
     callback_handler.register_end_callback(end)
@@ -975,10 +978,33 @@ class _ClearKeeps(list):
     """Dynamo's callback list whose ``clear()`` (``torch._dynamo.reset()``) keeps
     :func:`watch_compiles`' live callbacks and drops every other one, as before."""
 
+    counts_resets = False
+
     def clear(self) -> None:
         kept = [c for c in self if id(c) in _KEPT_CALLBACKS]
         super().clear()
         self.extend(kept)
+        if self.counts_resets:
+            _RESETS[0] += 1
+            for fn in list(_RESET_LISTENERS):
+                fn()
+
+
+# torch._dynamo.reset() calls seen while watch_compiles' callbacks were installed (a count_syncs
+# block: explain's run), and what to call at each: compile ids start again at 0/0 after one
+_RESETS = [0]
+_RESET_LISTENERS: list = []
+
+
+def dynamo_resets() -> int:
+    """How many ``torch._dynamo.reset()`` calls ran while :func:`watch_compiles` was installed."""
+    return _RESETS[0]
+
+
+def qualified_compile_id(cid: Optional[str], resets: int) -> Optional[str]:
+    """A compile id told apart from the same id before ``resets`` resets of Dynamo (which start
+    ids again at 0/0): ``"0/0"`` as is, ``"r1:0/0"`` after one."""
+    return cid if cid is None or resets <= 0 else f"r{resets}:{cid}"
 
 
 def watch_imports(on_start: Callable[[], None], on_end: Callable[[], None]) -> Callable[[], None]:
@@ -1186,17 +1212,38 @@ class CompilationWatch:
         self._seen = {id(m) for m in dutils.get_compilation_metrics()}
         self._old_limit = getattr(dutils._compilation_metrics, "maxlen", None)
         dutils.set_compilation_metrics_limit(1_000_000)
+        # at each torch._dynamo.reset(): the last record then (ids start again after it); the
+        # metrics themselves outlive a reset
+        self._boundaries: list = []
+        _RESET_LISTENERS.append(self._at_reset)
+
+    def _at_reset(self) -> None:
+        metrics = self._dutils.get_compilation_metrics()
+        self._boundaries.append(metrics[-1] if metrics else None)
 
     def stop(self) -> list[CompileRecord]:
-        """The records of the compiles since the watch began, oldest first; restores the limit."""
+        """The records of the compiles since the watch began, oldest first, their compile ids
+        qualified by the resets before them (:func:`qualified_compile_id`); restores the limit."""
         dutils = self._dutils
+        with contextlib.suppress(ValueError):
+            _RESET_LISTENERS.remove(self._at_reset)
         try:
-            new = [m for m in dutils.get_compilation_metrics() if id(m) not in self._seen]
+            metrics = dutils.get_compilation_metrics()
         finally:
             if self._old_limit:
                 dutils.set_compilation_metrics_limit(self._old_limit)
-        return [CompileRecord(**{f.name: getattr(m, f.name) for f in dataclasses.fields(CompileRecord)})
-                for m in new]
+        out, resets, pending = [], 0, list(self._boundaries)
+        while pending and pending[0] is None:  # a reset before any record
+            pending.pop(0)
+            resets += 1
+        for m in metrics:
+            if id(m) not in self._seen:
+                rec = CompileRecord(**{f.name: getattr(m, f.name) for f in dataclasses.fields(CompileRecord)})
+                out.append(dataclasses.replace(rec, compile_id=qualified_compile_id(rec.compile_id, resets)))
+            while pending and pending[0] is m:
+                pending.pop(0)
+                resets += 1
+        return out
 
 
 def frame_entry_grad_mode() -> Optional[bool]:

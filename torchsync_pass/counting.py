@@ -249,6 +249,12 @@ class SyncCounts:
         """Fill SiteStats.calls from the Python tracer's function-call events."""
         index: dict[tuple[str, str], list[tuple[str, int, int]]] = collections.defaultdict(list)
         for (efile, first, name), n in self._py_calls.items():
+            # A call already running when the profiler (re)started is named by the line it was on
+            # (review 22: a function called 5 times after an import showed 4 calls): counted with
+            # its function's, by the function's first line (``co_firstlineno``)
+            found = _innermost(_find_file(efile), first, name)
+            if found is not None:
+                first = found[0]
             index[(os.path.basename(efile), name)].append((efile, first, n))
         for st in self.sites.values():
             if st._code_key is None:
@@ -344,6 +350,11 @@ class _Event:
 def _is_internal_file(filename: str) -> bool:
     return (filename.startswith((dynamo_hooks.TORCH_DIR, _OWN_DIR, "<eval_with_key>"))
             or filename == dynamo_hooks.SELF_TEST_FILE)
+
+
+def is_own_file(filename: str) -> bool:
+    """Is ``filename`` torchsync_pass's own code (its self-test probes included)?"""
+    return filename.startswith(_OWN_DIR) or filename == dynamo_hooks.SELF_TEST_FILE
 
 
 def _user_frame(frame: Any) -> Any:
@@ -830,6 +841,13 @@ def _function_span(path: str, line: int, fname: str) -> tuple[int, int, int] | N
     rotation) and for a generator resumed at its ``yield``; the op's call is searched in the
     function's body found here.
     """
+    best = _innermost(path, line, fname)
+    return best[1:] if best is not None else None
+
+
+def _innermost(path: str, line: int, fname: str) -> tuple[int, int, int, int] | None:
+    """``(first decorator or def line, def line, first body line, last line)``: see
+    :func:`_function_span`."""
     short = fname.rsplit(".", 1)[-1]
     if short.startswith("<") or dynamo_hooks.RESUME_RE.match(short):
         return None
@@ -837,7 +855,7 @@ def _function_span(path: str, line: int, fname: str) -> tuple[int, int, int] | N
     for start, def_line, body, end, name in _functions(path, len(linecache.getlines(path))):
         if name == short and start <= line <= end and (best is None or start >= best[0]):
             best = (start, def_line, body, end)
-    return best[1:] if best is not None else None
+    return best
 
 
 @functools.lru_cache(maxsize=256)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -156,16 +157,25 @@ class _CompileWatcher:
     def __init__(self) -> None:
         self.note = ""
         self._stop: Any = None
+        self.resets0 = 0  # torch._dynamo.reset() calls before the run: ids restart after each
+
+    def resets(self) -> int:
+        """The resets of Dynamo since the watch started."""
+        from . import _torch_private
+
+        return _torch_private.dynamo_resets() - self.resets0
 
     def start(self) -> None:
         metrics = None
         try:
             from . import _torch_private, dynamo_hooks
 
+            self.resets0 = _torch_private.dynamo_resets()
             metrics = _torch_private.CompilationWatch()
             lg = _torch_private.graph_break_logger()
             saved = (lg.level, lg.propagate)
-            handler = _BreakHandler(dynamo_hooks.current_compile_id)
+            handler = _BreakHandler(lambda: _torch_private.qualified_compile_id(
+                dynamo_hooks.current_compile_id(), _torch_private.dynamo_resets() - self.resets0))
             lg.addHandler(handler)
             if not lg.isEnabledFor(logging.DEBUG):  # TORCH_LOGS=graph_breaks not set: collect, print nothing
                 lg.setLevel(logging.DEBUG)
@@ -274,7 +284,9 @@ def _exit_code(e: SystemExit) -> int:
 def _run(code: types.CodeType, path: str, args: list[str], stdout_to_stderr: bool) -> _Outcome:
     main_mod = types.ModuleType("__main__")
     main_mod.__dict__.update(
-        {"__file__": path, "__builtins__": builtins, "__cached__": None, "__spec__": None,
+        # absolute, as Python (3.9+) gives a script run by path: a script that changes directory
+        # still finds its files by __file__ (review 22)
+        {"__file__": os.path.abspath(path), "__builtins__": builtins, "__cached__": None, "__spec__": None,
          "__loader__": None, "__package__": None}
     )
     saved_argv, saved_path = sys.argv[:], sys.path[:]
@@ -283,10 +295,14 @@ def _run(code: types.CodeType, path: str, args: list[str], stdout_to_stderr: boo
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     sys.modules["__main__"] = main_mod
     out = _Outcome()
-    redirect = contextlib.redirect_stdout(sys.stderr) if stdout_to_stderr else contextlib.nullcontext()
+    redirect = _stdout_to_stderr() if stdout_to_stderr else contextlib.nullcontext()
     try:
         with redirect:
-            exec(code, main_mod.__dict__)
+            before = set(threading.enumerate())
+            try:
+                exec(code, main_mod.__dict__)
+            finally:
+                _join_threads(before)
     except SystemExit as e:
         out.exit_code = _exit_code(e)
     except BaseException as e:  # noqa: BLE001 - the report comes first, then the traceback
@@ -300,6 +316,44 @@ def _run(code: types.CodeType, path: str, args: list[str], stdout_to_stderr: boo
         with contextlib.suppress(Exception):
             sys.stdout.flush()
     return out
+
+
+def _join_threads(before: set) -> None:
+    """Wait for the non-daemon threads the script started, as the interpreter does before it
+    exits: their syncs are the run's (review 22: a worker's reads after the script's last line
+    were missed, and printed after the report)."""
+    me = threading.current_thread()
+    while True:
+        alive = [t for t in threading.enumerate()
+                 if t is not me and t not in before and not t.daemon and t.is_alive()]
+        if not alive:
+            return
+        for t in alive:
+            t.join()
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Any:
+    """Send what the script writes to standard output to standard error, so that explain's own
+    stdout holds only its report (``--json``): ``sys.stdout`` and, where it is the process's, file
+    descriptor 1 too (a child process, C code, ``os.write(1, ...)``: review 22)."""
+    saved = None
+    try:
+        sys.stdout.flush()
+        if sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2:
+            saved = os.dup(1)
+            os.dup2(2, 1)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        saved = None  # a stdout with no descriptor (captured): sys.stdout alone
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 def _print_traceback(exc: BaseException) -> None:
@@ -397,10 +451,14 @@ def _decision_row(d: Decision) -> dict[str, Any]:
     return row
 
 
-def _verification_entry(entry: dict) -> dict[str, Any]:
-    """One graph of ``backend.compiled_graphs()`` as the report's "verification" list shows it."""
+def _verification_entry(entry: dict, resets: int = 0) -> dict[str, Any]:
+    """One graph of ``backend.compiled_graphs()`` as the report's "verification" list shows it
+    (its compile id qualified by the Dynamo resets before it)."""
+    from . import _torch_private
+
     v = entry.get("verified")
-    base = {"compile_id": entry.get("compile_id"), "codegen": entry.get("codegen"),
+    base = {"compile_id": _torch_private.qualified_compile_id(entry.get("compile_id"), resets),
+            "codegen": entry.get("codegen"),
             "mode": entry.get("mode")}
     if v is None:  # compiled outside --verify's reach (should not happen under forced_options)
         return {**base, "name": "", "status": "NOT_VERIFIED", "message": "", "reason": "",
@@ -609,8 +667,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sites", type=_non_negative(int), metavar="N", default=40,
                    help="sites shown in the text report (default 40)")
     p.add_argument("--no-profiler", action="store_true",
-                   help="count with method interception only (faster; misses torch.equal(a, b), "
-                   "torch.nonzero(x) and syncs inside compiled graphs)")
+                   help="count with method interception only (faster; misses the syncs inside "
+                   "ops: torch.equal(a, b), torch.allclose, torch.nonzero(x), masked_select, "
+                   "complex(t), t.is_nonzero(), torch.arange(t), ..., and syncs inside compiled graphs)")
     p.add_argument("--progress", type=_non_negative(float), metavar="SECONDS", default=30.0,
                    help="print a progress line on stderr every SECONDS while the script runs "
                    "(default 30; 0: never)")
@@ -676,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
 
-    from . import counting
+    from . import _torch_private, counting
 
     counting.register_file(ns.script)
     verify_ctx: Any = contextlib.nullcontext()
@@ -689,24 +748,28 @@ def main(argv: list[str] | None = None) -> int:
     watcher = _CompileWatcher()
     watcher.start()
     counter = counting.count_syncs(profiler=not ns.no_profiler)
-    # what the script's compiles recorded, kept even when it calls torchsync_pass.reset()
-    with DECISIONS.tap() as decisions, report.compile_tap() as graphs:
+    # what the script's compiles recorded, kept even when it calls torchsync_pass.reset(); each
+    # record stamped with the Dynamo resets before it (compile ids start again after one)
+    with DECISIONS.tap(watcher.resets) as decisions, report.compile_tap(watcher.resets) as graphs:
         with counter, verify_ctx, _progress(counter, ns.progress, decisions):
             outcome = _run(code, ns.script, list(ns.args), stdout_to_stderr=ns.json)
     # the nosync self-test compiles tiny probes of its own on first use: not the user's functions
+    # (torch's own code is: the user compiled nn.Sequential, whose forward is in torch; review 22)
     funcs = [
         f for f in watcher.stop()
-        if not counting._is_internal_file(f.file) and not counting._is_internal_file(os.path.abspath(f.file))
+        if not counting.is_own_file(f.file) and not counting.is_own_file(os.path.abspath(f.file))
     ]
     _mark_sync_breaks(funcs, counter)
     notes = [watcher.note] if watcher.note else []
     verification = None
     if ns.verify:
-        verification = [_verification_entry(e) for e in graphs]
+        verification = [_verification_entry(e, r) for e, r in zip(graphs, graphs.stamps)]
         if not verification:
             notes.append("--verify: the nosync backend compiled no graph in this run; nothing was verified")
+    qualified = [dataclasses.replace(d, compile_id=_torch_private.qualified_compile_id(d.compile_id, r))
+                 if d.compile_id and r else d for d, r in zip(decisions, decisions.stamps)]
     rep = build_report(
-        ns.script, list(ns.args), outcome, counter, funcs, list(decisions), notes, verification,
+        ns.script, list(ns.args), outcome, counter, funcs, qualified, notes, verification,
     )
     rep["nosync_graphs"] = graphs.added
     hooks = sys.modules.get(f"{__package__}.dynamo_hooks")
@@ -719,15 +782,17 @@ def main(argv: list[str] | None = None) -> int:
     if outcome.exc is not None:
         _print_traceback(outcome.exc)
     status = outcome.exit_code
+    # a gate's 1 where the OS would read the script's status as 0 (sys.exit(256)): review 22
+    gate = 1 if status % 256 == 0 else status
     if ns.max_syncs is not None and counter.total > ns.max_syncs:
         print(f"{PROG}: {counter.total} host syncs > --max-syncs {ns.max_syncs}", file=sys.stderr)
-        status = status or 1
+        status = gate
     failed = [v for v in verification or () if v["status"] == "FAILED"]
     if failed:
         ids = ", ".join(str(v["compile_id"] or "?") for v in failed)
         print(f"{PROG}: --verify: {len(failed)} nosync graph(s) not bitwise equal to eager: {ids}",
               file=sys.stderr)
-        status = status or 1
+        status = gate
     return status
 
 

@@ -186,11 +186,11 @@ class DecisionLog:
             self._added += 1
             self._taps.send(d)
 
-    def tap(self) -> Any:
+    def tap(self, stamp: Any = None) -> Any:
         """A :class:`Tap` that receives every record added while the block runs, in order (the
         newest ``MAX_DECISIONS``); ``clear()`` (``torchsync_pass.reset()`` inside the block) does
         not empty it (explain's record)."""
-        return self._taps.open(MAX_DECISIONS)
+        return self._taps.open(MAX_DECISIONS, stamp)
 
     def all(self) -> list[Decision]:
         with self._lock:
@@ -213,13 +213,17 @@ class DecisionLog:
 
 
 class Tap(deque):
-    """What a tap received: the newest records (bounded, as the log is), and how many it got."""
+    """What a tap received: the newest records (bounded, as the log is), and how many it got;
+    with a ``stamp`` function, ``stamps`` holds what it returned as each record came."""
 
     added = 0
+    stamp: Any = None
 
     def append(self, x: Any) -> None:
         super().append(x)
         self.added += 1
+        if self.stamp is not None:
+            self.stamps.append(self.stamp())
 
 
 class Taps(list):
@@ -236,8 +240,10 @@ class Taps(list):
                 t.append(x)
 
     @contextlib.contextmanager
-    def open(self, maxlen: int) -> Iterator[Tap]:
+    def open(self, maxlen: int, stamp: Any = None) -> Iterator[Tap]:
         got = Tap(maxlen=maxlen)
+        if stamp is not None:
+            got.stamp, got.stamps = stamp, deque(maxlen=maxlen)
         with self._lock:
             self.append(got)
         try:
@@ -270,9 +276,9 @@ def compiled(entry: dict) -> None:
     _COMPILE_TAPS.send(entry)
 
 
-def compile_tap() -> Any:
+def compile_tap(stamp: Any = None) -> Any:
     """A :class:`Tap` that receives every compile record the backend makes while the block runs."""
-    return _COMPILE_TAPS.open(MAX_COMPILE_RECORDS)
+    return _COMPILE_TAPS.open(MAX_COMPILE_RECORDS, stamp)
 
 
 _guard_tls = threading.local()
