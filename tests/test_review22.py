@@ -158,6 +158,22 @@ def test_explain_calls_column_counts_the_call_running_when_the_profiler_restarts
     assert site["calls"] == 5
 
 
+def test_check_request_lists_the_functions_demoted_sites(_clean):
+    """A site demoted during warm-up is no longer hoisted: check_request checked nothing, said
+    ok=True, and the call then recompiled (the code after the read holds warm-up's value only)."""
+    def step(x, scale):
+        amax = scale.abs().max().item()
+        return x * (127.0 / amax)
+
+    f = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+    x = torch.randn(4)
+    for v in (2.0, 0.5):
+        f(x, torch.tensor([v, 0.1]))
+    rep = torchsync_pass.check_request(f, x, torch.tensor([2.0, 0.1]), on_change="report")
+    assert [s.line for s in rep.demoted] == [step.__code__.co_firstlineno + 1]
+    assert "demoted" in rep.describe()
+
+
 def test_explain_tells_compiles_apart_across_a_dynamo_reset(tmp_path, capsys, _clean):
     """Compile ids start again at 0/0 after torch._dynamo.reset(): f's graph break (compile 0/0)
     was listed under h, compiled after the reset as 0/0 too, and a nosync hoist after a reset was

@@ -1520,6 +1520,13 @@ def checks_for(frame_code: Any, owner: Optional[tuple] = None) -> list[SiteCheck
             if c.state.demoted is None and dynamo_hooks.same_owner(o, owner)]
 
 
+def demoted_sites(frame_code: Any) -> list[SiteKey]:
+    """The demoted sites of ``frame_code`` (of any closure of it), in source order."""
+    with _lock:
+        states = [st for st in _sites.values() if st.code is frame_code and st.demoted is not None]
+    return sorted({st.site for st in states}, key=lambda k: (k.file, k.line))
+
+
 def checks_compiled_inside(key: tuple) -> list[tuple[Any, SiteCheck]]:
     """``(frame code, check)`` of the live checks compiled while a frame of ``key``
     (:func:`dynamo_hooks.code_key`) was running: the frames a function's call compiled on their

@@ -72,7 +72,10 @@ class RequestCheck:
     ``sites``: hoisted cones checked; ``syncs``: cones re-run because their leaves were new (one
     real sync each); ``changed``: the sites whose value differs from every compiled value;
     ``unchecked``: hoisted sites of the function that cannot be checked from the arguments (``ok``
-    is False while there are any).
+    is False while there are any); ``demoted``: the function's sites nosync demoted (no longer
+    hoisted: the call reads them with a sync, as stock, and the code Dynamo compiled after such a
+    read is guarded by Dynamo on the values it has seen, which nothing here checks: ``ok`` says
+    nothing of them).
     """
 
     function: str
@@ -80,6 +83,7 @@ class RequestCheck:
     syncs: int = 0
     changed: list[Change] = field(default_factory=list)
     unchecked: list[Unchecked] = field(default_factory=list)
+    demoted: list[SiteKey] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -96,6 +100,10 @@ class RequestCheck:
             lines.append(f"  {len(self.unchecked)} hoisted value(s) NOT checked:")
         for u in self.unchecked:
             lines.append(f"  {u.site}: {u.source}: {u.why}")
+        if self.demoted:
+            lines.append(f"  {len(self.demoted)} site(s) demoted (read by the call as stock; the code "
+                         "Dynamo compiled after the read recompiles for a value it has not seen): "
+                         + ", ".join(str(s) for s in self.demoted))
         return "\n".join(lines)
 
 
@@ -298,6 +306,11 @@ def check_request(fn: Callable, /, *args: Any, on_change: str = "raise", **kwarg
                         f"hoisted in {code.co_name}, the code Dynamo resumes {fr.name} in after a "
                         "graph break: its locals exist only in the middle of a call, not in the "
                         "request's arguments"))
+    for fr in frames:
+        for code in (fr.code, *dynamo_hooks.resume_codes(fr.code)):
+            for site in guards.demoted_sites(code):
+                if site not in report.demoted:
+                    report.demoted.append(site)
     for fr in frames:
         if not fr.innermost:
             continue
