@@ -211,3 +211,18 @@ def test_explain_tells_compiles_apart_across_a_dynamo_reset(tmp_path, capsys, _c
     assert by_name["h"]["graph_breaks"] == []
     hoists = [d for d in rep["nosync"] if d["action"] == "hoisted" and d["site"]["line"] == 10]
     assert hoists and not any(d.get("discarded") for d in hoists)
+
+
+def test_a_non_blocking_move_to_the_host_is_not_counted():
+    """``x.to("cpu", non_blocking=True)`` makes no sync on a GPU (pinned memory, no wait): it was
+    counted as one "cpu" read; a blocking one still counts."""
+    x = torch.randn(4)
+    with torchsync_pass.count_syncs() as c:
+        x.to("cpu", non_blocking=True)
+        x.to(device="cpu", non_blocking=True)
+        x.to("cpu", torch.float32, True)
+    assert c.total == 0
+    with torchsync_pass.count_syncs() as c:
+        x.to("cpu")
+        x.to("cpu", torch.float32, False, True)  # copy=True, blocking
+    assert c.total == 2

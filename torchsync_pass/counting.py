@@ -513,8 +513,13 @@ def _moves_to_host(name: str, self: torch.Tensor, args: tuple, kwargs: dict, fra
     the move names the host: ``.cpu()``, ``.to("cpu")``/``.to(device="cpu")``, or a torch.device whose
     call line names ``"cpu"`` (``.to(torch.device("cpu"))``). ``.to(other_tensor)`` never counts
     there. The rule looks at the call, not at what the codegen does with it, so eager, nosync's eager
-    codegen and Inductor agree.
+    codegen and Inductor agree. A move with ``non_blocking=True`` never counts: a GPU copies into
+    pinned memory without waiting (the wait is the stream or event synchronize the program makes
+    before reading it, which the profiler counts on a GPU run; review 22).
     """
+    flags = [a for a in args if type(a) is bool]  # to(..., non_blocking, copy) by position
+    if kwargs.get("non_blocking") is True or (flags and flags[0]):
+        return False
     if _SESSION.accelerator:
         if self.device.type == "cpu":
             return False
