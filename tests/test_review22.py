@@ -226,3 +226,18 @@ def test_a_non_blocking_move_to_the_host_is_not_counted():
         x.to("cpu")
         x.to("cpu", torch.float32, False, True)  # copy=True, blocking
     assert c.total == 2
+
+
+def test_explain_places_a_profiler_only_sync_at_the_scripts_top_level_on_its_line(tmp_path, capsys):
+    """torch.equal at a script's top level (a sync only the profiler sees) was listed at line 0:
+    the search for the op's call looked in function bodies only."""
+    s = _script(tmp_path / "top.py", (
+        "import torch\n"
+        "x = torch.randn(4)\n"
+        "def unrelated(a, b):\n"
+        "    return a + b\n"
+        "y = unrelated(x, 1)\n"
+        "print(torch.equal(y, x + 1))\n"))
+    rc, rep = _explain_json(capsys, s)
+    assert rc == 0
+    assert [(st["kind"], st["line"]) for st in rep["sites"]] == [("equal", 6)]

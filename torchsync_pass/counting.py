@@ -807,6 +807,12 @@ def _guess_line(
             if hits:  # several calls of the op in the function: the first, marked inexact
                 return SiteKey(path, hits[0]), len(hits) == 1
             return SiteKey(path, first), False
+        if fname == "<module>":  # a script's or module's top level: its lines outside every def
+            inside = [(start, end) for start, _, _, end, _ in _functions(path, len(lines))]
+            hits = [i for i in range(1, len(lines) + 1)
+                    if pat.search(lines[i - 1]) and not any(a <= i <= b for a, b in inside)]
+            if hits:  # several calls of the op at top level: the first, marked inexact
+                return SiteKey(path, hits[0]), len(hits) == 1
         if 0 < first <= len(lines):
             head = lines[first - 1]
             indent = len(head) - len(head.lstrip())
