@@ -241,3 +241,34 @@ def test_explain_places_a_profiler_only_sync_at_the_scripts_top_level_on_its_lin
     rc, rep = _explain_json(capsys, s)
     assert rc == 0
     assert [(st["kind"], st["line"]) for st in rep["sites"]] == [("equal", 6)]
+
+
+def test_check_request_lists_a_demoted_site_of_an_inlined_submodule(_clean):
+    """Only sites whose own code was the compiled frame's were listed: one in a submodule's forward
+    that Dynamo inlined was left out."""
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = torch.tensor([1.0])
+
+        def forward(self, x):
+            return x * self.s.item()
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.t = Inner(), torch.tensor([1.0])
+
+        def forward(self, x):
+            return self.inner(x) + self.t.item()
+
+    m = M()
+    f = torch.compile(m, backend="nosync", options={"codegen": "eager"})
+    x = torch.ones(2)
+    for i in range(6):  # both leaves new on every call, with a new value: both sites demoted
+        m.inner.s = torch.tensor([float(i % 2)])
+        m.t = torch.tensor([float(i % 2)])
+        f(x)
+    rep = torchsync_pass.check_request(f, x, on_change="report")
+    lines = {Inner.forward.__code__.co_firstlineno + 1, M.forward.__code__.co_firstlineno + 1}
+    assert {s.line for s in rep.demoted} == lines

@@ -604,6 +604,9 @@ class SiteState:
     demoted: Optional[Reason] = None
     guard_syncs: int = 0
     guard_hits: int = 0
+    # the code of each frame a check of the site was compiled for (its own code, or the frame it
+    # was inlined into): check_request's list of a function's demoted sites
+    frames: set = field(default_factory=set)
 
     @property
     def specs(self) -> dict:
@@ -795,6 +798,8 @@ def decide(site: dynamo_hooks.SyncSite, opts: Any) -> tuple[bool, Any]:
     mark_hoisted(dataclasses.replace(result, nodes=traced_nodes), owner=(key, fp))
     check = SiteCheck(state, cone, spec, srcs, bits, _written_inputs_of(compile_id), compile_id)
     _register_check(site.frame_code, check, dynamo_hooks.frame_owner(site), dynamo_hooks.calling_code_keys())
+    if site.frame_code is not None:
+        state.frames.add(site.frame_code)
     dynamo_hooks.add_lambda_guard(site, check, f"{state.site}: {state.source} == {value!r}")
     _record(state, Action.HOISTED, Reason.INVARIANT_CONE,
             "speculated invariant" if result.speculative else "", value,
@@ -1521,9 +1526,11 @@ def checks_for(frame_code: Any, owner: Optional[tuple] = None) -> list[SiteCheck
 
 
 def demoted_sites(frame_code: Any) -> list[SiteKey]:
-    """The demoted sites of ``frame_code`` (of any closure of it), in source order."""
+    """The demoted sites of ``frame_code`` (of any closure of it), in source order: its own, and
+    those of functions inlined into it that were hoisted there before."""
     with _lock:
-        states = [st for st in _sites.values() if st.code is frame_code and st.demoted is not None]
+        states = [st for st in _sites.values()
+                  if st.demoted is not None and (st.code is frame_code or frame_code in st.frames)]
     return sorted({st.site for st in states}, key=lambda k: (k.file, k.line))
 
 
