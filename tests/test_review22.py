@@ -65,6 +65,27 @@ def _explain_json(capsys, *argv: str) -> tuple[int, dict]:
     return rc, json.loads(capsys.readouterr().out)
 
 
+def _explain_process(script: str) -> tuple:
+    """``python -m torchsync_pass.explain --json script`` in a process of its own: (the completed
+    process, its JSON report)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "torchsync_pass.explain", "--json", "--progress", "0", script],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(proc.stdout)
+
+
+def _count_and_calls(capsys, script: str, line: int) -> tuple:
+    """(count, calls) of the sync site at ``line`` of ``script`` in explain's report."""
+    rc, rep = _explain_json(capsys, script)
+    assert rc == 0
+    (site,) = [st for st in rep["sites"] if st["line"] == line]
+    return site["count"], site["calls"]
+
+
 def _script(path, text: str) -> str:
     path.write_text(text)
     return str(path)
@@ -89,18 +110,11 @@ def test_explain_counts_the_reads_of_a_thread_that_outlives_the_scripts_last_lin
 def test_explain_json_stays_parseable_when_a_child_process_writes_to_stdout(tmp_path):
     """Only sys.stdout was redirected: a child process (or C code) writing to file descriptor 1
     put its text before the JSON object."""
-    import json
-    import subprocess
-    import sys
-
     s = _script(tmp_path / "child.py", (
         "import os, subprocess, sys\n"
         "subprocess.run([sys.executable, '-c', 'print(\"from a child\")'], check=True)\n"
         "os.write(1, b'from fd 1\\n')\n"))
-    proc = subprocess.run([sys.executable, "-m", "torchsync_pass.explain", "--json", "--progress", "0", s],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    rep = json.loads(proc.stdout)
+    proc, rep = _explain_process(s)
     assert rep["exit_code"] == 0
     assert "from a child" in proc.stderr and "from fd 1" in proc.stderr
 
@@ -151,11 +165,7 @@ def test_explain_calls_column_counts_the_call_running_when_the_profiler_restarts
         "import fresh_module_review22\n"
         "for _ in range(5):\n"
         "    read(x)\n"))
-    rc, rep = _explain_json(capsys, s)
-    assert rc == 0
-    (site,) = [st for st in rep["sites"] if st["line"] == 3]
-    assert site["count"] == 5
-    assert site["calls"] == 5
+    assert _count_and_calls(capsys, s, 3) == (5, 5)
 
 
 def test_check_request_lists_the_functions_demoted_sites(_clean):
@@ -243,6 +253,33 @@ def test_explain_places_a_profiler_only_sync_at_the_scripts_top_level_on_its_lin
     assert [(st["kind"], st["line"]) for st in rep["sites"]] == [("equal", 6)]
 
 
+# review 22's second look at its own commits (helper 169)
+def test_explain_returns_when_the_script_leaves_a_library_worker_thread(tmp_path):
+    """explain joined every non-daemon thread the script started: a ThreadPoolExecutor never shut
+    down (and Inductor's compile pool on a cold cache), whose workers end only in the
+    interpreter's own shutdown, hung it forever."""
+    s = _script(tmp_path / "pool.py", (
+        "import concurrent.futures, torch\n"
+        "ex = concurrent.futures.ThreadPoolExecutor(max_workers=1)\n"
+        "x = torch.tensor([3.0])\n"
+        "print(ex.submit(lambda: x.item()).result())\n"))
+    _, rep = _explain_process(s)
+    assert rep["totals"]["syncs"] == 1
+
+
+def test_explain_calls_column_counts_a_generator_once_not_per_resume(tmp_path, capsys):
+    """Each resume of a generator at its yield is a profiler event named by the yield's line: the
+    call-line normalisation made each one a call (6 calls for one)."""
+    s = _script(tmp_path / "gen.py", (
+        "import torch\n"
+        "x = torch.tensor(1.0)\n"
+        "def steps():\n"
+        "    for _ in range(5):\n"
+        "        yield x.item()\n"
+        "print(sum(steps()))\n"))
+    assert _count_and_calls(capsys, s, 5) == (5, 1)
+
+
 def test_check_request_lists_a_demoted_site_of_an_inlined_submodule(_clean):
     """Only sites whose own code was the compiled frame's were listed: one in a submodule's forward
     that Dynamo inlined was left out."""
@@ -272,3 +309,21 @@ def test_check_request_lists_a_demoted_site_of_an_inlined_submodule(_clean):
     rep = torchsync_pass.check_request(f, x, on_change="report")
     lines = {Inner.forward.__code__.co_firstlineno + 1, M.forward.__code__.co_firstlineno + 1}
     assert {s.line for s in rep.demoted} == lines
+
+
+def test_explain_verify_names_each_graph_by_its_qualified_compile_id(tmp_path, capsys, _clean):
+    """--json --verify qualified the compile id of a graph compiled after a reset but not its name:
+    two graphs were both "nosync graph 0/0"."""
+    s = _script(tmp_path / "vr.py", (
+        "import torch\n"
+        "def g(x, s):\n"
+        "    return x + s.item()\n"
+        "x, s = torch.ones(3), torch.tensor([1.0])\n"
+        "for _ in range(2):\n"
+        "    torch._dynamo.reset()\n"
+        "    torch.compile(g, backend='nosync', options={'codegen': 'eager'})(x, s)\n"))
+    rc, rep = _explain_json(capsys, "--verify", s)
+    assert rc == 0
+    names = [v["name"] for v in rep["verification"]]
+    assert len(names) == 2 and len(set(names)) == 2
+    assert all(v["compile_id"] in v["name"] for v in rep["verification"])

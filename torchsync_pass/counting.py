@@ -252,14 +252,19 @@ class SyncCounts:
             # A call already running when the profiler (re)started is named by the line it was on
             # (review 22: a function called 5 times after an import showed 4 calls): counted with
             # its function's, by the function's first line (``co_firstlineno``)
-            found = _innermost(_find_file(efile), first, name)
-            if found is not None:
+            # (not a generator's or a coroutine's: each resume at a yield is an event of its own,
+            # named by the yield's line, and is no call)
+            path = _find_file(efile)
+            found = _innermost(path, first, name)
+            if found is not None and found[0] not in _resumable(path, len(linecache.getlines(path))):
                 first = found[0]
             index[(os.path.basename(efile), name)].append((efile, first, n))
         for st in self.sites.values():
             if st._code_key is None:
                 continue
             filename, first, name = st._code_key
+            if name == "<module>":  # top-level code: no calls to count (shown "-", as a read's there)
+                continue
             m = dynamo_hooks.RESUME_RE.match(name)
             if m:  # a Dynamo resume function: count calls of the function it resumes
                 name, first = m.group(1), None
@@ -885,6 +890,33 @@ def _functions(path: str, n_lines: int) -> tuple[tuple[int, int, int, int, str],
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
             out.append((start, node.lineno, node.body[0].lineno, node.end_lineno or node.lineno, node.name))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _resumable(path: str, n_lines: int) -> frozenset:
+    """The first lines (as :func:`_functions` gives them) of ``path``'s generators and coroutines:
+    ``async def`` functions and those whose own body (not a nested function's) yields."""
+    import ast
+
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return frozenset()
+
+    def yields(node: Any) -> bool:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Yield, ast.YieldFrom)):
+                return True
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)) \
+                    and yields(child):
+                return True
+        return False
+
+    return frozenset(
+        min([node.lineno] + [d.lineno for d in node.decorator_list])
+        for node in ast.walk(tree)
+        if isinstance(node, ast.AsyncFunctionDef) or (isinstance(node, ast.FunctionDef) and yields(node))
+    )
 
 
 def _find_file(efile: str) -> str:

@@ -319,17 +319,35 @@ def _run(code: types.CodeType, path: str, args: list[str], stdout_to_stderr: boo
 
 
 def _join_threads(before: set) -> None:
-    """Wait for the non-daemon threads the script started, as the interpreter does before it
-    exits: their syncs are the run's (review 22: a worker's reads after the script's last line
-    were missed, and printed after the report)."""
+    """Wait for the non-daemon threads the script started that run its own code (not the standard
+    library's or an installed package's), as the interpreter waits before it exits: their syncs
+    are the run's (review 22: a worker's reads after the script's last line were missed, and
+    printed after the report). A library's worker (a ``ThreadPoolExecutor``'s, Inductor's compile
+    pool) ends only in the interpreter's own shutdown, after explain's report: never waited for."""
     me = threading.current_thread()
     while True:
         alive = [t for t in threading.enumerate()
-                 if t is not me and t not in before and not t.daemon and t.is_alive()]
+                 if t is not me and t not in before and not t.daemon and t.is_alive() and _runs_user_code(t)]
         if not alive:
             return
         for t in alive:
             t.join()
+
+
+def _runs_user_code(t: threading.Thread) -> bool:
+    """Does ``t`` run code outside the standard library and the installed packages? (Its target's,
+    or its ``run`` override's; unknown: no.)"""
+    import sysconfig
+
+    target = getattr(t, "_target", None) if type(t).run is threading.Thread.run else type(t).run
+    code = getattr(getattr(target, "__func__", target), "__code__", None)
+    if code is None:
+        return False
+    paths = sysconfig.get_paths()
+    libs = tuple(os.path.join(os.path.realpath(paths[k]), "") for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                 if paths.get(k))
+    filename = os.path.realpath(code.co_filename)
+    return not filename.startswith(libs) and not code.co_filename.startswith("<frozen")
 
 
 @contextlib.contextmanager
@@ -451,6 +469,13 @@ def _decision_row(d: Decision) -> dict[str, Any]:
     return row
 
 
+def _qualified_name(name: str, cid: Any, qualified: Any) -> str:
+    """A graph's name (``nosync graph 0/0 (eager)``) with its compile id qualified as the entry's."""
+    if cid and qualified and qualified != cid:
+        return name.replace(f"graph {cid}", f"graph {qualified}", 1)
+    return name
+
+
 def _verification_entry(entry: dict, resets: int = 0) -> dict[str, Any]:
     """One graph of ``backend.compiled_graphs()`` as the report's "verification" list shows it
     (its compile id qualified by the Dynamo resets before it)."""
@@ -474,7 +499,7 @@ def _verification_entry(entry: dict, resets: int = 0) -> dict[str, Any]:
                    "verify_loop checks nosync against stock Inductor). " + (message or ""))
     return {
         **base,
-        "name": v.name,
+        "name": _qualified_name(v.name, entry.get("compile_id"), base["compile_id"]),
         "status": status,  # PASSED / FAILED / SKIPPED / DIFFERS (Inductor rounding)
         "message": message,
         "reason": v.reason,
