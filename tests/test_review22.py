@@ -327,3 +327,28 @@ def test_explain_verify_names_each_graph_by_its_qualified_compile_id(tmp_path, c
     names = [v["name"] for v in rep["verification"]]
     assert len(names) == 2 and len(set(names)) == 2
     assert all(v["compile_id"] in v["name"] for v in rep["verification"])
+
+
+def test_calls_are_unknown_where_a_read_came_while_the_profiler_was_off(_clean):
+    """A function compiled inside the count (stock backend, a graph break at its read) read on its
+    first call while the profiler was stopped for the compile: that call was never seen and
+    calls read 3 for 4 calls, as if one call read twice. Unknown ("-") now; 4 when warm."""
+    def helper(ids):
+        return (ids == 3).sum().item()
+
+    def step(x, ids):
+        return x * helper(ids)
+
+    f = torch.compile(step, backend="eager")
+    ids = [torch.tensor([3, 3, 1, 2]) if k % 2 else torch.tensor([3, 1, 1, 2]) for k in range(4)]
+    with torchsync_pass.count_syncs() as cold:
+        for t in ids:
+            f(torch.ones(4), t)
+    with torchsync_pass.count_syncs() as warm:
+        for t in ids:
+            f(torch.ones(4), t)
+    line = helper.__code__.co_firstlineno + 1
+    (c,) = [s for s in cold.sites.values() if s.site.line == line]
+    (w,) = [s for s in warm.sites.values() if s.site.line == line]
+    assert (c.count, c.calls) == (4, None)
+    assert (w.count, w.calls) == (4, 4)

@@ -103,6 +103,9 @@ class SiteStats:
     calls: int | None = None  # calls of the enclosing function, from the profiler's Python tracer
     line_exact: bool = True  # False when the line was inferred from the function's source
     _code_key: tuple | None = None
+    # a read here came while the profiler was off (a compile, an import): a call then may be one
+    # the tracer never saw, so ``calls`` is unknown (None), not a count short of the truth
+    _calls_unseen: bool = False
 
     @property
     def kind(self) -> str:
@@ -225,6 +228,8 @@ class SyncCounts:
             if st is None:
                 st = self.sites[ev.site] = SiteStats(site=ev.site, function=ev.function, _code_key=ev.code_key)
             st.line_exact = st.line_exact and ev.line_exact
+            if not ev.profiled:
+                st._calls_unseen = True
             st.kinds[ev.kind] += 1
             if ev.device:
                 st.devices.add(ev.device)
@@ -263,6 +268,8 @@ class SyncCounts:
             if st._code_key is None:
                 continue
             filename, first, name = st._code_key
+            if st._calls_unseen:  # a call the tracer may have missed (review 22: 3 of 4 shown)
+                continue
             if name == "<module>":  # top-level code: no calls to count (shown "-", as a read's there)
                 continue
             m = dynamo_hooks.RESUME_RE.match(name)
@@ -350,6 +357,7 @@ class _Event:
     value_repr: str = ""
     compile_time: bool = False
     line_exact: bool = True
+    profiled: bool = True  # the profiler was on when it was recorded (method wrappers' reads)
 
 
 def _is_internal_file(filename: str) -> bool:
@@ -594,7 +602,7 @@ def _record(kind: str, self: torch.Tensor, out: Any, frame: Any) -> None:
             device = self.device.type
         except Exception:
             device = ""
-        ev = _Event(kind, site, fn, code_key, device, vkey, vrepr)
+        ev = _Event(kind, site, fn, code_key, device, vkey, vrepr, profiled=_SESSION.profiling)
     for rec in _SESSION.recorders():
         rec._add(ev)
     _SESSION.maybe_rotate(frame)
