@@ -352,3 +352,38 @@ def test_calls_are_unknown_where_a_read_came_while_the_profiler_was_off(_clean):
     (w,) = [s for s in warm.sites.values() if s.site.line == line]
     assert (c.count, c.calls) == (4, None)
     assert (w.count, w.calls) == (4, 4)
+
+
+def test_the_profiler_restarts_under_a_wrapper_whose_code_a_compiled_function_shares(_clean):
+    """A decorator's one wrapper code object around both a compiled function and its uncompiled
+    caller (transformers' deprecate_kwarg around generate and forward) has cache entries: the
+    caller's frame was taken for compiled code, no safe point restarted the profiler after the
+    compile, and profiler-only reads (multinomial's) went uncounted: 0 of 12, with no note."""
+    import functools
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapped
+
+    @deco
+    def forward(x):
+        return x * 2 + 1
+
+    step = torch.compile(forward, backend="eager")
+    probs = torch.softmax(torch.randn(1, 50, generator=torch.Generator().manual_seed(0)), -1)
+
+    @deco
+    def generate(n):
+        for _ in range(n):
+            step(torch.ones(3))
+            torch.multinomial(probs.to(torch.float32), num_samples=1)
+
+    with torchsync_pass.count_syncs() as ref:
+        for _ in range(6):
+            torch.multinomial(probs, num_samples=1)
+    with torchsync_pass.count_syncs() as c:
+        generate(6)
+    assert ref.by_kind["in_op"] > 0
+    assert c.by_kind["in_op"] == ref.by_kind["in_op"]
