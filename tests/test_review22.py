@@ -387,3 +387,39 @@ def test_the_profiler_restarts_under_a_wrapper_whose_code_a_compiled_function_sh
         generate(6)
     assert ref.by_kind["in_op"] > 0
     assert c.by_kind["in_op"] == ref.by_kind["in_op"]
+
+
+def test_the_hint_for_self_under_a_star_args_wrapper_names_its_position(_clean):
+    """Under a wrapper taking only ``*args, **kwargs`` (transformers' deprecate_kwarg), 'self.t'
+    was answered "declare 'kwargs.self.t'": self is never passed by keyword, so that declared
+    nothing, silently (an argument the call leaves out). The hint names 'args.0.t'."""
+    import functools
+
+    from torchsync_pass import NosyncOptionsError
+
+    def rebuilds(func):
+        @functools.wraps(func)
+        def wrapped(*args, **kwargs):
+            if len(args) > 5:
+                args = tuple(args)
+            return func(*args, **kwargs)
+        return wrapped
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = torch.arange(4.0)
+
+        @rebuilds
+        def forward(self, x):
+            return x * (self.t.cumsum(-1) * 0.5).exp()
+
+    m = M()
+    x = torch.ones(4)
+    strict = {"codegen": "eager", "strict": True}
+    with pytest.raises(NosyncOptionsError) as raised:
+        torch.compile(m, backend="nosync", options={**strict, "invariant": ["self.t"]})(x)
+    assert "'args.0.t'" in str(raised.value) and "kwargs.self" not in str(raised.value)
+    torch._dynamo.reset()
+    f = torch.compile(m, backend="nosync", options={**strict, "invariant": ["args.0.t"]})
+    assert torch.equal(f(x), m(x))
