@@ -259,9 +259,8 @@ class SyncCounts:
             # its function's, by the function's first line (``co_firstlineno``)
             # (not a generator's or a coroutine's: each resume at a yield is an event of its own,
             # named by the yield's line, and is no call)
-            path = _find_file(efile)
-            found = _innermost(path, first, name)
-            if found is not None and found[0] not in _resumable(path, len(linecache.getlines(path))):
+            found = _innermost(_find_file(efile), first, name)
+            if found is not None and not found[4]:
                 first = found[0]
             index[(os.path.basename(efile), name)].append((efile, first, n))
         for st in self.sites.values():
@@ -821,7 +820,7 @@ def _guess_line(
                 return SiteKey(path, hits[0]), len(hits) == 1
             return SiteKey(path, first), False
         if fname == "<module>":  # a script's or module's top level: its lines outside every def
-            inside = [(start, end) for start, _, _, end, _ in _functions(path, len(lines))]
+            inside = [(f[0], f[3]) for f in _functions(path, len(lines))]
             hits = [i for i in range(1, len(lines) + 1)
                     if pat.search(lines[i - 1]) and not any(a <= i <= b for a, b in inside)]
             if hits:  # several calls of the op at top level: the first, marked inexact
@@ -866,50 +865,34 @@ def _function_span(path: str, line: int, fname: str) -> tuple[int, int, int] | N
     function's body found here.
     """
     best = _innermost(path, line, fname)
-    return best[1:] if best is not None else None
+    return best[1:4] if best is not None else None
 
 
-def _innermost(path: str, line: int, fname: str) -> tuple[int, int, int, int] | None:
-    """``(first decorator or def line, def line, first body line, last line)``: see
-    :func:`_function_span`."""
+def _innermost(path: str, line: int, fname: str) -> tuple[int, int, int, int, bool] | None:
+    """``(first decorator or def line, def line, first body line, last line, resumable)`` (see
+    :func:`_functions`) of the function :func:`_function_span` finds."""
     short = fname.rsplit(".", 1)[-1]
     if short.startswith("<") or dynamo_hooks.RESUME_RE.match(short):
         return None
     best = None
-    for start, def_line, body, end, name in _functions(path, len(linecache.getlines(path))):
+    for start, def_line, body, end, name, resumable in _functions(path, len(linecache.getlines(path))):
         if name == short and start <= line <= end and (best is None or start >= best[0]):
-            best = (start, def_line, body, end)
+            best = (start, def_line, body, end, resumable)
     return best
 
 
 @functools.lru_cache(maxsize=256)
-def _functions(path: str, n_lines: int) -> tuple[tuple[int, int, int, int, str], ...]:
+def _functions(path: str, n_lines: int) -> tuple[tuple[int, int, int, int, str, bool], ...]:
     """Every function of ``path`` as ``(first decorator or def line, def line, first body line,
-    last line, name)`` (cached per file and length: linecache's text is the one parsed)."""
+    last line, name, resumable)`` (cached per file and length: linecache's text is the one
+    parsed); ``resumable``: a generator or a coroutine (``async def``, or its own body, not a
+    nested function's, yields), whose every resume the profiler names as a frame of its own."""
     import ast
 
     try:
         tree = ast.parse("".join(linecache.getlines(path)))
     except (SyntaxError, ValueError):
         return ()
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            out.append((start, node.lineno, node.body[0].lineno, node.end_lineno or node.lineno, node.name))
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=256)
-def _resumable(path: str, n_lines: int) -> frozenset:
-    """The first lines (as :func:`_functions` gives them) of ``path``'s generators and coroutines:
-    ``async def`` functions and those whose own body (not a nested function's) yields."""
-    import ast
-
-    try:
-        tree = ast.parse("".join(linecache.getlines(path)))
-    except (SyntaxError, ValueError):
-        return frozenset()
 
     def yields(node: Any) -> bool:
         for child in ast.iter_child_nodes(node):
@@ -920,11 +903,13 @@ def _resumable(path: str, n_lines: int) -> frozenset:
                 return True
         return False
 
-    return frozenset(
-        min([node.lineno] + [d.lineno for d in node.decorator_list])
-        for node in ast.walk(tree)
-        if isinstance(node, ast.AsyncFunctionDef) or (isinstance(node, ast.FunctionDef) and yields(node))
-    )
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            out.append((start, node.lineno, node.body[0].lineno, node.end_lineno or node.lineno, node.name,
+                        isinstance(node, ast.AsyncFunctionDef) or yields(node)))
+    return tuple(out)
 
 
 def _find_file(efile: str) -> str:

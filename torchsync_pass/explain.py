@@ -175,7 +175,7 @@ class _CompileWatcher:
             lg = _torch_private.graph_break_logger()
             saved = (lg.level, lg.propagate)
             handler = _BreakHandler(lambda: _torch_private.qualified_compile_id(
-                dynamo_hooks.current_compile_id(), _torch_private.dynamo_resets() - self.resets0))
+                dynamo_hooks.current_compile_id(), self.resets()))
             lg.addHandler(handler)
             if not lg.isEnabledFor(logging.DEBUG):  # TORCH_LOGS=graph_breaks not set: collect, print nothing
                 lg.setLevel(logging.DEBUG)

@@ -591,18 +591,16 @@ def _wrapper_hint(entry: Optional[_Entry], name: str) -> str:
     code = fn.__code__
     where = f"{code.co_name} at {os.path.basename(code.co_filename)}:{code.co_firstlineno}"
     rest = name[len(head):]
+    lead = (f"; the function compiled is a functools.wraps wrapper ({where}) around "
+            f"{inspect.unwrap(fn).__qualname__} that rebuilds its *args, so the names are its own: ")
     if head == "self" and next(iter(inner), None) == "self":
         # a method's self comes first among the wrapper's *args, never by keyword (review 22: the
         # hint 'kwargs.self...' declared nothing, silently: an argument the call leaves out)
-        return (f"; the function compiled is a functools.wraps wrapper ({where}) around "
-                f"{inspect.unwrap(fn).__qualname__} that rebuilds its *args, so the names are its own: "
-                f"declare 'args.0{rest}' (self is the first of its positional arguments)")
+        return lead + f"declare 'args.0{rest}' (self is the first of its positional arguments)"
     # NOTE: no position is offered: the wrapper may reorder its *args, and a call may pass the
     # argument by keyword; ``args.N`` is its position among this call's positional arguments
-    return (f"; the function compiled is a functools.wraps wrapper ({where}) around "
-            f"{inspect.unwrap(fn).__qualname__} that rebuilds its *args, so the names are its own: "
-            f"declare 'kwargs.{head}{rest}' where the call passes it by keyword, or 'args.N{rest}' with "
-            f"N its position among the call's positional arguments")
+    return (lead + f"declare 'kwargs.{head}{rest}' where the call passes it by keyword, or 'args.N{rest}' "
+            "with N its position among the call's positional arguments")
 
 
 def _declared_name_problem(name: str, args: tuple, scope: Any, fallback: bool = True) -> Optional[str]:
