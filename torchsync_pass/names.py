@@ -216,8 +216,14 @@ def _positional(path: str) -> bool:
 
 
 def _key_at(obj: Any, key: str, position: str) -> bool:
-    """Is ``key`` the key of the dict ``obj`` at ``position`` (a part that is not a key itself)?"""
-    return (position.isdigit() and isinstance(obj, dict) and position not in obj and key in obj
+    """Is ``key`` the key of the dict ``obj`` at ``position`` (a part that is not a key itself), or
+    the field of the named tuple ``obj`` at that position (``req.1`` for ``req.mask``; review 23)?"""
+    if not position.isdigit():
+        return False
+    if isinstance(obj, tuple):
+        fields = getattr(type(obj), "_fields", None)
+        return isinstance(fields, tuple) and key in fields and fields.index(key) == int(position)
+    return (isinstance(obj, dict) and position not in obj and key in obj
             and list(obj.keys()).index(key) == int(position))
 
 
