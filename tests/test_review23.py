@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import NamedTuple
 
@@ -46,3 +47,35 @@ def test_a_named_tuple_field_is_declared_by_its_position_as_by_its_name(_clean, 
     want_b = _nt_step(x, b)
     assert torch.equal(f(x, b), want_b) and torch.equal(f(x, b), want_b)
     assert torch.equal(f(x, a), _nt_step(x, a))
+
+
+# --------------------------------------------------------------------------------------------
+# collectives (helper 173)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built in")
+def test_values_that_depend_on_a_collective_are_never_hoisted_nor_cached(tmp_path):
+    """A collective's value depends on the other ranks' tensors, which no leaf of this rank tells
+    of, and every rank must run it the same times in the same order. nosync took
+    ``_c10d_functional.all_reduce`` for a pure op: ``all_reduce(buf).max().item()`` was hoisted
+    (rank 0 kept 3.0 after rank 1's buffer changed to make it 11.0) and ``all_reduce(bias)`` cached
+    (rank 1's guard re-ran the collective alone, pairing it with rank 0's step collective: wrong
+    sums on both ranks, then a timeout)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = os.path.join(os.path.dirname(__file__), "scripts", "collectives_demo.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, script, port], capture_output=True, text=True, timeout=240,
+                         env=env, cwd=str(tmp_path))
+    ranks = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(ranks) == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    for r in ranks:
+        assert "error" not in r, r
+        assert r["read"] == [True] * 4 and r["cached"] == [True] * 4, r
+        assert ("hoisted", "INVARIANT_CONE") not in [tuple(d) for d in r["decisions"]], r

@@ -41,6 +41,7 @@ import logging
 import operator
 import re
 import struct
+import sys
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -610,6 +611,9 @@ def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
                                   "it may read Python state that no leaf tells of")
     if is_random(node):
         return Reason.IMPURE_OP, f"random op {name}"
+    talks = _communicates(node)
+    if talks is not None:
+        return Reason.IMPURE_OP, talks
     if _unseen(node):
         return Reason.IMPURE_OP, f"{name}: a Python function whose ops could not be seen (run on fake inputs failed)"
     if written_nodes(node):
@@ -617,6 +621,51 @@ def _impure_reason(node: fx.Node) -> Optional[tuple[Reason, str]]:
     if node.op == "call_function" and name.startswith("_") and name not in _SAFE_PRIVATE:
         return Reason.IMPURE_OP, f"side-effecting or internal op {name}"
     return None
+
+
+# op namespaces whose ops talk to other processes (torch.distributed's collectives, functional or
+# in place, DTensor's and symmetric memory's)
+_COMM_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_functional_autograd",
+                              "c10d", "_dtensor", "symm_mem", "_symm_mem"})
+
+
+def _op_namespace(t: Any) -> Optional[str]:
+    if _torch_private.is_op_overload(t):
+        return t.namespace
+    if _torch_private.is_op_packet(t):
+        return str(t).partition(".")[0]  # (``_c10d_functional.all_reduce``)
+    return None
+
+
+def _communicates(node: fx.Node) -> Optional[str]:
+    """Why ``node`` may exchange data with other processes, or None. A collective's result depends
+    on the other ranks' tensors, which no leaf of this rank tells of, and each rank must run it
+    the same number of times in the same order: one hoisted or cached would be stale when another
+    rank's tensor changes, and a guard re-running it on one rank alone pairs it with another
+    collective of the other rank (review 23: stale values, wrong sums, hangs, gloo aborts). So
+    is a Python function of torch.distributed kept in the graph, and any op on a DTensor (its
+    dispatch may redistribute: ``w.full_tensor()``, a reduction of a sharded tensor)."""
+    t = node.target
+    ns = _op_namespace(t) if node.op == "call_function" else None
+    if ns in _COMM_NAMESPACES:
+        return f"collective {_target_name(node)} ({ns}): its value depends on other processes"
+    module = (getattr(t, "__module__", None) or "") if node.op == "call_function" else ""
+    if module == "torch.distributed" or module.startswith("torch.distributed."):
+        return f"{_target_name(node)} of {module}: it may talk to other processes"
+    dtensor = _dtensor_type()
+    if dtensor is not None:
+        values = [_torch_private.example_value(node)] + [_torch_private.example_value(a) for a in _nodes_in(
+            (node.args, node.kwargs))]
+        if any(isinstance(v, dtensor) for v in values):
+            return f"{_target_name(node)} on a DTensor: its dispatch may talk to other processes"
+    return None
+
+
+def _dtensor_type() -> Optional[type]:
+    """DTensor when torch.distributed is built in and DTensor already imported (a graph cannot hold
+    one before), else None."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
 
 
 def _storage_key(value: Any) -> Optional[int]:
