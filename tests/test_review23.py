@@ -79,3 +79,44 @@ def test_values_that_depend_on_a_collective_are_never_hoisted_nor_cached(tmp_pat
         assert "error" not in r, r
         assert r["read"] == [True] * 4 and r["cached"] == [True] * 4, r
         assert ("hoisted", "INVARIANT_CONE") not in [tuple(d) for d in r["decisions"]], r
+
+
+# --------------------------------------------------------------------------------------------
+# global state between calls (helper 174)
+# --------------------------------------------------------------------------------------------
+_THREADS_SCRIPT = '''
+import torch
+torch.set_num_threads(1)
+def step(x, s):
+    return x * s.item()
+c = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+x = torch.ones(2)
+s1, s2 = torch.tensor(2.0), torch.tensor(3.0)
+c(x, s1)                      # entry 0: 2.0 hoisted, one thread
+torch.set_num_threads(2)
+c(x, s1)                      # entry 1: Dynamo recompiles for the thread count
+torch.set_num_threads(1)
+c(x, s2)                      # one thread again: entry 0 fails on the hoisted value
+'''
+
+
+def test_explain_names_the_nosync_guard_that_failed_behind_another_entrys_reason(_clean, capsys, tmp_path):
+    """Dynamo's compile record keeps the first cache entry's reason only: the third call's
+    recompile read "11/1: GLOBAL_STATE changed: num_threads" (the two-thread entry) and explain
+    never said that entry 0, the one-thread entry, failed on its hoisted value 2.0 -> 3.0."""
+    from test_review22 import _explain_json
+
+    script = tmp_path / "threads.py"
+    script.write_text(_THREADS_SCRIPT)
+    n = torch.get_num_threads()
+    try:
+        rc, rep = _explain_json(capsys, str(script))
+    finally:
+        torch.set_num_threads(n)
+    assert rc == 0
+    (fn,) = [f for f in rep["compiled"] if f["function"] == "step"]
+    last = fn["recompiles"][-1]
+    assert "GLOBAL_STATE" in last["reason"]
+    assert any("a hoisted value changed: 2.0 -> 3.0" in r for r in last["nosync_reasons"]), last
+    for r in fn["recompiles"][:-1]:
+        assert r["nosync_reasons"] == [], r

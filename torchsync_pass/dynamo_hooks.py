@@ -32,8 +32,10 @@ and three callables: :func:`install` (with a policy), :func:`add_lambda_guard` a
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
+import itertools
 import linecache
 import logging
 import operator
@@ -927,13 +929,43 @@ def forget_guard_managers() -> None:
             fin.detach()
 
 
+# (number, compile id, reason) of the nosync guards Dynamo asked why they failed, during the
+# compile that followed: Dynamo's compilation metrics keep only the first cache entry's reason
+# (review 23: after a thread-count entry, a hoisted value's change was reported as "GLOBAL_STATE
+# changed"). explain reads them (:func:`recompile_reasons`); bounded, the newest kept.
+_REASONS: "collections.deque[tuple[int, str, str]]" = collections.deque(maxlen=4096)
+_REASON_NUMBERS = itertools.count(1)
+
+
 def failure_reason(group_id: int) -> str:
     """Dynamo's recompile reason for a failed nosync guard (evaluated by Dynamo on a recompile)."""
     try:
         group = _GROUPS.get(group_id)
-        return group.failure_reason() if group is not None else "nosync: the guards were released by a reset"
+        reason = group.failure_reason() if group is not None else "nosync: the guards were released by a reset"
     except Exception:  # never break Dynamo's reporting
         return "nosync: a hoisted check failed"
+    try:
+        from . import _torch_private
+
+        cid = current_compile_id()
+        if cid is not None:
+            _REASONS.append((next(_REASON_NUMBERS), _torch_private.qualified_compile_id(
+                cid, _torch_private.dynamo_resets()), reason))
+    except Exception:
+        pass
+    return reason
+
+
+def recompile_reasons(after: int = 0) -> list[tuple[str, str]]:
+    """The nosync guard failures Dynamo asked about, ``(compile id of the recompile, reason)``,
+    recorded after the ``after``-th (:func:`recompile_reason_mark` before a run); the ids qualified
+    by the resets of Dynamo seen so far (:func:`_torch_private.qualified_compile_id`)."""
+    return [(cid, r) for n, cid, r in list(_REASONS) if n > after]
+
+
+def recompile_reason_mark() -> int:
+    """The number of the last recorded failure (0: none yet)."""
+    return _REASONS[-1][0] if _REASONS else 0
 
 
 def _all_of(checks: list) -> Callable[[Any, Any], bool]:

@@ -81,7 +81,7 @@ class CompiledFunction:
     graphs: int = 0
     ops: int = 0
     compiles: list = field(default_factory=list)  # compile ids
-    recompiles: list = field(default_factory=list)  # (compile id, reason)
+    recompiles: list = field(default_factory=list)  # (compile id, reason, nosync's reasons)
     failures: list = field(default_factory=list)
     failed: set = field(default_factory=set)  # compile ids Dynamo gave up on (no cache entry)
     breaks: list = field(default_factory=list)
@@ -96,7 +96,7 @@ class CompiledFunction:
             "graph_ops": self.ops,
             "graph_breaks": [asdict(b) for b in self.breaks],
             "sync_graph_breaks": sum(b.sync for b in self.breaks),
-            "recompiles": [{"compile_id": c, "reason": r} for c, r in self.recompiles],
+            "recompiles": [{"compile_id": c, "reason": r, "nosync_reasons": n} for c, r, n in self.recompiles],
             "failures": self.failures,
             "compile_ids": self.compiles,
         }
@@ -137,6 +137,16 @@ class _BreakHandler(logging.Handler):
             pass
 
 
+def _unqualified(cid: str) -> str:
+    return cid.partition(":")[2] if cid.startswith("r") and ":" in cid else cid
+
+
+def _resets_in(cid: str) -> int:
+    """The resets of Dynamo a qualified compile id counts (``r2:0/0``: 2)."""
+    head = cid.partition(":")[0]
+    return int(head[1:]) if cid.startswith("r") and ":" in cid and head[1:].isdigit() else 0
+
+
 def _first_para(reason: str) -> str:
     """The informative line of a break reason (Dynamo prefixes a generic 'Encountered ...')."""
     paras = [p.strip() for p in reason.strip().split("\n\n") if p.strip()]
@@ -172,6 +182,7 @@ class _CompileWatcher:
 
             self.resets0 = _torch_private.dynamo_resets()
             metrics = _torch_private.CompilationWatch()
+            mark = dynamo_hooks.recompile_reason_mark()
             lg = _torch_private.graph_break_logger()
             saved = (lg.level, lg.propagate)
             handler = _BreakHandler(lambda: _torch_private.qualified_compile_id(
@@ -192,7 +203,11 @@ class _CompileWatcher:
             lg.removeHandler(handler)
             lg.setLevel(saved[0])
             lg.propagate = saved[1]
-            return _group(metrics.stop(), handler.breaks)
+            ours: dict[str, list[str]] = {}
+            for cid, reason in dynamo_hooks.recompile_reasons(mark):
+                ours.setdefault(_torch_private.qualified_compile_id(
+                    _unqualified(cid), _resets_in(cid) - self.resets0), []).append(reason)
+            return _group(metrics.stop(), handler.breaks, ours)
 
         self._stop = stop
 
@@ -207,7 +222,9 @@ class _CompileWatcher:
             return []
 
 
-def _group(metrics: list[Any], breaks: list[GraphBreak]) -> list[CompiledFunction]:
+def _group(metrics: list[Any], breaks: list[GraphBreak],
+           nosync_reasons: Optional[dict] = None) -> list[CompiledFunction]:
+    nosync_reasons = nosync_reasons or {}
     funcs: dict[tuple, CompiledFunction] = {}
     by_cid: dict[str, CompiledFunction] = {}
     from .dynamo_hooks import RESUME_RE as _RESUME_RE
@@ -235,7 +252,10 @@ def _group(metrics: list[Any], breaks: list[GraphBreak]) -> list[CompiledFunctio
             cf.graphs += 1
             cf.ops += m.graph_op_count
         if attempt not in ("", "0"):
-            cf.recompiles.append((cid, (m.recompile_reason or "").strip()))
+            first = (m.recompile_reason or "").strip()
+            # nosync's guards that failed too: Dynamo's metrics keep the first entry's reason only
+            ours = [r for r in dict.fromkeys(nosync_reasons.get(cid, ())) if r not in first]
+            cf.recompiles.append((cid, first, ours))
         if m.fail_reason:
             cf.failures.append(f"{m.fail_type}: {m.fail_reason}".strip())
             cf.failed.add(cid)
@@ -616,8 +636,10 @@ def render_text(rep: dict[str, Any], max_sites: int = 40) -> str:
                 src = SiteKey(b["file"], b["line"]).source()
                 if src:
                     out.append(f"         User Stack: ... {src}")
-        for cid, reason in ((r["compile_id"], r["reason"]) for r in cf["recompiles"]):
-            out.append(f"    Recompile {cid}: {reason.splitlines()[0] if reason else '?'}")
+        for r in cf["recompiles"]:
+            reason = r["reason"]
+            out.append(f"    Recompile {r['compile_id']}: {reason.splitlines()[0] if reason else '?'}")
+            out.extend(f"      and {ours}" for ours in r.get("nosync_reasons", ()))
         for f in cf["failures"]:
             out.append(f"    Compile failure: {f.splitlines()[0]}")
     out.append("")
