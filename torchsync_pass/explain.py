@@ -40,7 +40,7 @@ import time
 import traceback
 import types
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from . import report
 from .report import DECISIONS, Action, Decision, SiteKey
