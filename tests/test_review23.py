@@ -120,3 +120,25 @@ def test_explain_names_the_nosync_guard_that_failed_behind_another_entrys_reason
     assert any("a hoisted value changed: 2.0 -> 3.0" in r for r in last["nosync_reasons"]), last
     for r in fn["recompiles"][:-1]:
         assert r["nosync_reasons"] == [], r
+
+
+# --------------------------------------------------------------------------------------------
+# higher-order ops and the counter (helper 178)
+# --------------------------------------------------------------------------------------------
+def _float_step(x, s):
+    table = torch.arange(4.0).exp()  # no input at all: the invariant runner caches it
+    return x * s + table  # s, a Python float that changes: Dynamo reads a 0-d tensor in the graph
+
+
+def test_reads_inside_a_runners_graph_are_counted_at_the_users_line(_clean):
+    """The invariant runner's call was exec'd code named ``<string>``: the counter's walk to the
+    user's frame stopped there, so the graph's reads were counted at ``<string>:5`` (two functions'
+    at one site), where the README says the ``def`` line (stock: the def line, 3 reads)."""
+    f = torch.compile(_float_step, backend="nosync", options={"codegen": "eager"})
+    x = torch.randn(4)
+    with torchsync_pass.count_syncs() as c:
+        for s in [0.5, 1.5, 2.5, 3.5]:
+            f(x, s)
+    assert c.total >= 1
+    assert {k.file for k in c.by_site} == {os.path.abspath(__file__)}, c.by_site
+    assert all(v.function == "_float_step" for v in c.sites.values()), c.sites

@@ -600,7 +600,7 @@ def _fast_call_fn(runner: InvariantRunner, step: Callable[..., Any],
     if token is not None:
         env["ran"], env["unguarded"] = token
     env.update(FP_ENV)
-    exec("\n".join(lines), env)  # noqa: S102 - generated from integers only
+    dynamo_hooks.run_generated("\n".join(lines), env)  # generated from integers only
     call = env["call"]
     call._nosync_runner = runner
     return call
