@@ -142,3 +142,29 @@ def test_reads_inside_a_runners_graph_are_counted_at_the_users_line(_clean):
     assert c.total >= 1
     assert {k.file for k in c.by_site} == {os.path.abspath(__file__)}, c.by_site
     assert all(v.function == "_float_step" for v in c.sites.values()), c.sites
+
+
+def test_a_graph_inductor_could_not_compile_is_recorded_as_the_eager_graph_it_runs(_clean, monkeypatch):
+    """Inductor raised (a flex_attention score_mod capturing a computed tensor on CPU); nosync ran
+    the FX graph eagerly, but its record said codegen "inductor" and --verify passed the graph as
+    "(inductor codegen)": the bits were eager's, not stock Inductor's."""
+    from torchsync_pass import backend
+
+    def broken(*args, **kwargs):
+        raise NotImplementedError("Pointwise")  # what Inductor's lowering raised
+
+    monkeypatch.setattr(backend, "_codegen_tabulated", broken)
+    be = torchsync_pass.NosyncBackend({"verify": True})
+
+    def f(x, n):
+        return x * int(n)
+
+    x = torch.ones(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = torch.compile(f, backend=be)(x, torch.tensor(4))
+    assert torch.equal(out, f(x, torch.tensor(4)))
+    (rec,) = be.compiled
+    assert rec["codegen"] == "eager"
+    assert "inductor codegen failed: NotImplementedError: Pointwise" in rec["fell_back"]
+    assert "(eager)" in rec["verified"].name

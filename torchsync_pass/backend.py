@@ -327,6 +327,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
     guards.guard_written_inputs(gm.graph, compile_id)
     if cone.remove_dead_cones(gm):
         log.debug("nosync: removed the dead cones of hoisted syncs from graph %s", compile_id)
+    codegen, fell_back = opts.codegen, None
     try:
         compiled = _codegen_tabulated(gm, example_inputs, opts, mode, compile_id)
     except Exception as e:
@@ -337,16 +338,19 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list, opts: Options, mode
         log.warning("nosync: %s codegen failed; falling back to the FX graph (eager)",
                     opts.codegen, exc_info=True)
         compiled = gm.forward
+        # the record says what runs: the FX graph, eager's bits (review 23: it said "inductor",
+        # and --verify passed "inductor codegen" for a graph Inductor never compiled)
+        codegen, fell_back = "eager", f"{opts.codegen} codegen failed: {type(e).__name__}: {str(e)[:200]}"
     compiled = rewrite.restore_state_on_error(gm, compiled)
     compiled = guards.forget_after_hidden_writes(hidden_written, compiled, custom_written)
-    entry = {"graph": gm, "codegen": opts.codegen, "mode": mode, "compile_id": compile_id,
-             "verified": None}
+    entry = {"graph": gm, "codegen": codegen, "mode": mode, "compile_id": compile_id,
+             "verified": None, "fell_back": fell_back}
     if reference is not None:
         from . import verify
 
         entry["verified"] = verify.verify_compiled(
             reference, compiled, example_inputs, strict=opts.strict,
-            name=f"nosync graph {compile_id or ''} ({opts.codegen})".replace("  ", " "),
+            name=f"nosync graph {compile_id or ''} ({codegen})".replace("  ", " "),
         )
     _COMPILED.append(entry)
     del _COMPILED[: -MAX_COMPILED]

@@ -504,6 +504,7 @@ def _verification_entry(entry: dict, resets: int = 0) -> dict[str, Any]:
     v = entry.get("verified")
     base = {"compile_id": _torch_private.qualified_compile_id(entry.get("compile_id"), resets),
             "codegen": entry.get("codegen"),
+            "fell_back": entry.get("fell_back"),  # why the requested codegen failed (eager ran)
             "mode": entry.get("mode")}
     if v is None:  # compiled outside --verify's reach (should not happen under forced_options)
         return {**base, "name": "", "status": "NOT_VERIFIED", "message": "", "reason": "",
@@ -660,6 +661,8 @@ def render_text(rep: dict[str, Any], max_sites: int = 40) -> str:
         for v in rep["verification"]:
             mode = f", mode {v['mode']}" if v.get("mode") else ""
             out.append(f"  {v['status']:<8} graph {v['compile_id'] or '?'} ({v['codegen']} codegen{mode})")
+            if v.get("fell_back"):
+                out.append(f"           runs the FX graph eagerly: {v['fell_back'].splitlines()[0]}")
             if v["status"] != "PASSED" and v["message"]:
                 lines = v["message"].splitlines()
                 out.extend(f"           {ln}" for ln in lines[:12])
