@@ -1328,31 +1328,40 @@ def _new_value_demotion(state: SiteState, cone: ConeState, result: ConeResult, l
         ), compile_id)
     last = cone.last_spec
     all_declared = all(l.declared for l in result.leaves)
-    if last is not None and not all_declared and last.hits == 0 and _leaves_changed(last, leaves):
+    if (last is not None and not all_declared and last.hits == 0
+            and _leaves_changed(last, leaves, tuple(l.declared for l in result.leaves))):
         return _demote(state, Reason.LEAVES_CHANGE,
                        "the value changed on the call right after it was specialised", compile_id)
     return None
 
 
-def _leaves_changed(spec: Spec, leaves: tuple) -> bool:
+def _leaves_changed(spec: Spec, leaves: tuple, declared: tuple = ()) -> bool:
     """Were ``spec``'s leaves freed or written in place since it was specialised, or replaced by
-    the next element of the same table?"""
+    the next element of the same table, those that are not the very objects it read, unwritten
+    (a frozen weight beside the request's tensor: review 23, a reranker whose cone read the input
+    and 44 weights recompiled its whole forward on each of 3 calls before the 3-call rule)? At
+    least one undeclared leaf must have changed so (a declared one new is a new request, by the
+    user's word: review 21); one alive and replaced by another object is another request's
+    (A, B, A), never a reason to demote."""
     if not spec.leaf_refs:
         return False
+    changed = False
+    declared = declared or (False,) * len(leaves)
     if any(ref() is not None and ref() is not cur for ref, cur in zip(spec.leaf_refs, leaves)):
         # NOTE: a tensor dropped by the caller can still sit in a reference cycle (Dynamo's
         # frame state); collect once so "freed" means freed. Only reached on a recompile.
         gc.collect()
-    for ref, ver, cur in zip(spec.leaf_refs, spec.leaf_versions, leaves):
+    for ref, ver, cur, d in zip(spec.leaf_refs, spec.leaf_versions, leaves, declared):
         old = ref()
         if old is None:
-            continue  # freed: the previous step's tensor is gone
-        if old is cur and ver is not None and not cur.is_inference() and cur._version != ver:
-            continue  # same object written in place
-        if old is not cur and _same_storage(old, cur):
-            continue  # the next element of one table (``for t in scheduler.timesteps``)
-        return False
-    return True
+            changed |= not d  # freed: the previous step's tensor is gone
+        elif old is cur and ver is not None and not cur.is_inference() and cur._version != ver:
+            changed |= not d  # same object written in place
+        elif old is not cur and _same_storage(old, cur):
+            changed |= not d  # the next element of one table (``for t in scheduler.timesteps``)
+        elif old is not cur or ver is None or cur.is_inference():
+            return False  # another live tensor (or one whose writes cannot be told)
+    return changed
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -227,11 +227,25 @@ def _only_indexes(index: torch.fx.Node, cone: set) -> bool:
                 continue
             if isinstance(_example(user), (torch.SymInt, int)):
                 todo.append(user)  # int arithmetic: i + 1, len(t) - 1 - i
-            elif user.target in _INDEXING:
+            elif user.target in _INDEXING and not _slice_bound(n, user):
                 indexed = True
             else:
                 return False
     return indexed
+
+
+def _slice_bound(n: torch.fx.Node, user: torch.fx.Node) -> bool:
+    """Is ``n`` a bound or step of a slice in the subscript ``user`` (``t[:, :n]``)? Such an int is
+    not an index: every value up to the dimension's length, and past it, is valid (review 23:
+    ``mask[:, :n].all()`` mirrored over 0..15 missed n == 16, the full-length batch)."""
+    def bounds(value: Any) -> bool:
+        if isinstance(value, slice):
+            return any(v is n for v in (value.start, value.stop, value.step))
+        if isinstance(value, (tuple, list)):
+            return any(bounds(v) for v in value)
+        return False
+
+    return any(bounds(a) for a in (*user.args[1:], *user.kwargs.values()))
 
 
 def _int_value(x: Any) -> Optional[int]:

@@ -1,7 +1,7 @@
 """Two gloo ranks on this machine's CPU: a host read and a request-invariant tensor that depend on a
 collective (the other rank's buffer). Rank 1 changes its buffer before call 2; rank 0 does not.
-Prints one JSON line per rank: per call, is the compiled result bitwise the expected one.
-Usage: python collectives_demo.py PORT (run by tests/test_review23.py)."""
+Writes rank0.json and rank1.json in the working directory: per call, is the compiled result bitwise
+the expected one. Usage: python collectives_demo.py PORT (run by tests/test_review23.py)."""
 
 import datetime
 import json
@@ -65,7 +65,8 @@ def _rank(rank: int, port: str) -> None:
         out["decisions"] = [(d.action.value, d.reason.name) for d in torchsync_pass.decisions()]
     except Exception as e:  # a collective paired with the wrong one times out or aborts
         out["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    print(json.dumps(out), flush=True)
+    with open(f"rank{rank}.json", "w") as f:  # (one file each: two ranks' prints interleave)
+        json.dump(out, f)
     dist.destroy_process_group()
 
 
