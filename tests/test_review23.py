@@ -252,3 +252,43 @@ def test_a_slice_bound_is_not_lifted_as_a_table_index(_clean):
         theirs += s.total + s.compile_time
     assert "TABLE_LIFTED" not in {d.reason.name for d in torchsync_pass.decisions()}
     assert ours <= theirs
+
+
+class _PoolLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, h, tt):
+        if ((tt.float() @ self.lin.weight[:4, :4]) > 0).any():
+            h = h + 1
+        return self.lin(h)
+
+
+def test_pooled_rows_served_in_turn_beside_a_frozen_weight_stay_hoisted(_clean):
+    """Regression of the frozen-weight rule (helper 179): two requests whose token types are rows
+    of one pooled tensor, served A, B, A, B, looked like the next elements of one table once the
+    frozen weight was set aside: demoted at B's first call, 3 reads on every later call (before:
+    1 read in 12 calls)."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(_PoolLayer() for _ in range(3))
+
+    def forward(h, tt):
+        for layer in layers:
+            h = layer(h, tt)
+        return h
+
+    f = torch.compile(forward, backend="nosync", options={"codegen": "eager", "select_branches": False})
+    pool = torch.tensor([[0, 0, 0, 0], [1, 0, 1, 0]])
+    reqs, hs = [pool[0], pool[1]], [torch.randn(1, 8), torch.randn(1, 8)]
+    total = 0
+    with torch.no_grad():
+        for _ in range(6):
+            for k in (0, 1):
+                want = forward(hs[k], reqs[k])
+                with torchsync_pass.count_syncs() as c:
+                    got = f(hs[k], reqs[k])
+                assert torch.equal(got, want)
+                total += c.total
+    assert not any(d.action.value == "demoted" for d in torchsync_pass.decisions())
+    assert total <= 1

@@ -1337,15 +1337,17 @@ def _new_value_demotion(state: SiteState, cone: ConeState, result: ConeResult, l
 
 def _leaves_changed(spec: Spec, leaves: tuple, declared: tuple = ()) -> bool:
     """Were ``spec``'s leaves freed or written in place since it was specialised, or replaced by
-    the next element of the same table, those that are not the very objects it read, unwritten
-    (a frozen weight beside the request's tensor: review 23, a reranker whose cone read the input
-    and 44 weights recompiled its whole forward on each of 3 calls before the 3-call rule)? At
-    least one undeclared leaf must have changed so (a declared one new is a new request, by the
-    user's word: review 21); one alive and replaced by another object is another request's
-    (A, B, A), never a reason to demote."""
+    the next element of the same table? At least one undeclared leaf must have changed so (a
+    declared one new is a new request, by the user's word: review 21); one alive and replaced by
+    another object is another request's (A, B, A), never a reason to demote. Leaves that are the
+    very tensors it read, unwritten (a frozen weight beside the request's tensor), are set aside
+    when an undeclared leaf was freed or written (review 23: a reranker whose cone read the input
+    and 44 weights recompiled its whole forward on each of 3 calls before the 3-call rule), but
+    not beside a leaf that is only another view of the same storage: rows of one pooled tensor,
+    served in turn, look like the next element of a table (review 23, helper 179)."""
     if not spec.leaf_refs:
         return False
-    changed = False
+    freed_or_written = next_element = kept = False
     declared = declared or (False,) * len(leaves)
     if any(ref() is not None and ref() is not cur for ref, cur in zip(spec.leaf_refs, leaves)):
         # NOTE: a tensor dropped by the caller can still sit in a reference cycle (Dynamo's
@@ -1354,14 +1356,16 @@ def _leaves_changed(spec: Spec, leaves: tuple, declared: tuple = ()) -> bool:
     for ref, ver, cur, d in zip(spec.leaf_refs, spec.leaf_versions, leaves, declared):
         old = ref()
         if old is None:
-            changed |= not d  # freed: the previous step's tensor is gone
+            freed_or_written |= not d  # freed: the previous step's tensor is gone
         elif old is cur and ver is not None and not cur.is_inference() and cur._version != ver:
-            changed |= not d  # same object written in place
+            freed_or_written |= not d  # same object written in place
         elif old is not cur and _same_storage(old, cur):
-            changed |= not d  # the next element of one table (``for t in scheduler.timesteps``)
+            next_element |= not d  # the next element of one table (``for t in scheduler.timesteps``)
         elif old is not cur or ver is None or cur.is_inference():
             return False  # another live tensor (or one whose writes cannot be told)
-    return changed
+        else:
+            kept = True  # the same tensor, unwritten
+    return freed_or_written or (next_element and not kept)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
