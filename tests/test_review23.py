@@ -292,3 +292,48 @@ def test_pooled_rows_served_in_turn_beside_a_frozen_weight_stay_hoisted(_clean):
                 total += c.total
     assert not any(d.action.value == "demoted" for d in torchsync_pass.decisions())
     assert total <= 1
+
+
+_POOL_SCRIPT = '''
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8).requires_grad_(False)
+    def forward(self, h, tt):
+        if (tt == 1).any():
+            h = h + 1
+        return self.lin(h)
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(3))
+    def forward(self, h, tt):
+        for layer in self.layers:
+            h = layer(h, tt)
+        return h
+m = M().eval()
+f = torch.compile(m, backend="nosync", options={"codegen": "eager", "select_branches": False})
+pool = torch.tensor([[0, 0, 0, 0], [1, 0, 1, 0]])
+with torch.no_grad():
+    for _ in range(3):
+        for k in (0, 1):
+            f(torch.randn(1, 8), pool[k])
+'''
+
+
+def test_explain_shows_a_demotion_made_in_a_compile_dynamo_gave_up_on_as_standing(_clean, capsys, tmp_path):
+    """The demotion's compile was given up (the frame traced again without the hoist), and explain
+    listed the demotion as "[discarded: ... nothing of it ran]" while the site stayed demoted, the
+    next decision saying so (helper 179)."""
+    from test_review22 import _explain_json
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL_SCRIPT)
+    rc, rep = _explain_json(capsys, str(script))
+    assert rc == 0
+    demoted = [d for d in rep["nosync"] if d["action"] == "demoted"]
+    assert demoted, rep["nosync"]
+    assert not any(d.get("discarded") for d in demoted), demoted

@@ -432,9 +432,12 @@ def build_report(
     # tensor was tagged "cached")
     # decisions of a compile Dynamo then gave up on (the frame ran uncompiled, or fullgraph raised)
     # describe no code that ran: listed as discarded, never on a site's row
+    # A demotion stands though (the site's state, which every later compile reads: review 23, a
+    # demotion that took effect was shown as "discarded ... nothing of it ran")
     failed = set().union(*(cf.failed for cf in funcs)) if funcs else set()
-    discarded = [d for d in decisions if d.compile_id in failed]
-    decisions = [d for d in decisions if d.compile_id not in failed]
+    gone = [d.compile_id in failed and d.action is not Action.DEMOTED for d in decisions]
+    discarded = [d for d, g in zip(decisions, gone) if g]
+    decisions = [d for d, g in zip(decisions, gone) if not g]
     latest = {d.site: d for d in decisions}
     # (filtered before taking the last: a demoted sync whose site's last record is a cached tensor),
     # and of those one of the row's own kind first (a kept bool() beside a rewritten index)
