@@ -629,6 +629,19 @@ _COMM_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_func
                               "c10d", "_dtensor", "symm_mem", "_symm_mem"})
 
 
+# torch's own op namespaces (their ops run no collective); any other is a custom op's
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "rngprims", "quantized", "_quantized", "mkldnn",
+                               "_inductor_test", "inductor", "higher_order", "profiler", "debugprims"})
+
+
+def _process_group_up() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is not None and dist.is_available() and dist.is_initialized()
+    except Exception:
+        return False
+
+
 def _op_namespace(t: Any) -> Optional[str]:
     if _torch_private.is_op_overload(t):
         return t.namespace
@@ -649,6 +662,11 @@ def _communicates(node: fx.Node) -> Optional[str]:
     ns = _op_namespace(t) if node.op == "call_function" else None
     if ns in _COMM_NAMESPACES:
         return f"collective {_target_name(node)} ({ns}): its value depends on other processes"
+    if ns is not None and ns not in _TORCH_NAMESPACES and _process_group_up():
+        # a registration cannot say that its kernel talks to other ranks (vLLM's and SGLang's
+        # tensor-parallel all_reduce is such a custom op: review 23, helper 180)
+        return (f"custom op {ns}::{_target_name(node)} while a torch.distributed process group is up: "
+                "its kernel may run a collective")
     module = (getattr(t, "__module__", None) or "") if node.op == "call_function" else ""
     if module == "torch.distributed" or module.startswith("torch.distributed."):
         return f"{_target_name(node)} of {module}: it may talk to other processes"

@@ -32,6 +32,28 @@ class Cached(torch.nn.Module):
         return fc.all_reduce(x * 2, "sum", dist.group.WORLD) + fc.all_reduce(self.bias, "sum", dist.group.WORLD)
 
 
+@torch.library.custom_op("collectives_demo::allsum", mutates_args=())
+def allsum(x: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel all_reduce wrapped as a custom op (as vLLM and SGLang wrap theirs)."""
+    y = x.clone()
+    dist.all_reduce(y)
+    return y
+
+
+@allsum.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class Custom(torch.nn.Module):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((3,), float(rank + 1)))
+
+    def forward(self, x):
+        return x * allsum(self.scale).max().item()
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
 
@@ -42,10 +64,11 @@ def _rank(rank: int, port: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
     import torchsync_pass
 
-    out = {"rank": rank, "read": [], "cached": [], "decisions": []}
+    out = {"rank": rank, "read": [], "cached": [], "custom": [], "decisions": []}
     try:
-        read, cached = Read(rank), Cached(rank)
+        read, cached, custom = Read(rank), Cached(rank), Custom(rank)
         f = torch.compile(read, backend="nosync", options={"codegen": "eager"})
+        h = torch.compile(custom, backend="nosync", options={"codegen": "eager"})
         g = torch.compile(cached, backend="nosync", options={"codegen": "eager", "invariant_cache_bytes": 1 << 20})
         totals = [3.0, 3.0]  # the two ranks' scales, summed: 1 + 2; then 1 + 10
         bias = [1.0, 2.0]
@@ -57,8 +80,10 @@ def _rank(rank: int, port: str) -> None:
                     if rank == 1:
                         read.scale.fill_(10.0)
                         cached.bias.fill_(10.0)
+                        custom.scale.fill_(10.0)
                 x = torch.ones(3)
                 out["read"].append(_same(f(x), x * totals[0]))
+                out["custom"].append(_same(h(x), x * totals[0]))
                 xs = [torch.full((4,), 100.0 * (call + 1) + r) for r in range(2)]
                 want = (xs[0] * 2 + xs[1] * 2) + (torch.full((4,), bias[0]) + torch.full((4,), bias[1]))
                 out["cached"].append(_same(g(xs[rank]), want))
