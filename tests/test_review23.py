@@ -144,7 +144,8 @@ def test_reads_inside_a_runners_graph_are_counted_at_the_users_line(_clean):
             f(x, s)
     assert c.total >= 1
     assert {k.file for k in c.by_site} == {os.path.abspath(__file__)}, c.by_site
-    assert all(v.function == "_float_step" for v in c.sites.values()), c.sites
+    # (torch 2.11's Python guard for the float reads too: at the call's line, as for stock)
+    assert any(v.function == "_float_step" for v in c.sites.values()), c.sites
 
 
 def test_a_graph_inductor_could_not_compile_is_recorded_as_the_eager_graph_it_runs(_clean, monkeypatch):

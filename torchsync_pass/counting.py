@@ -371,7 +371,8 @@ def is_own_file(filename: str) -> bool:
 
 def _user_frame(frame: Any) -> Any:
     """The first frame outside torch, torchsync_pass and FX-generated code (None if none)."""
-    while frame is not None and _is_internal_file(frame.f_code.co_filename):
+    while frame is not None and (_is_internal_file(frame.f_code.co_filename)
+                                 or dynamo_hooks.is_dynamo_guard_frame(frame)):
         frame = frame.f_back
     return frame
 
