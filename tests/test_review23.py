@@ -340,3 +340,33 @@ def test_explain_shows_a_demotion_made_in_a_compile_dynamo_gave_up_on_as_standin
     demoted = [d for d in rep["nosync"] if d["action"] == "demoted"]
     assert demoted, rep["nosync"]
     assert not any(d.get("discarded") for d in demoted), demoted
+
+
+_SPANNING_SCRIPT = '''
+import torch
+torch.set_num_threads(1)
+def step(x, n):
+    return x * n.item()
+def main():
+    f = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+    for r in range(3):
+        x = torch.randn(r + 2)  # a new shape: a compile, the counter's profiler paused and restarted
+        out = f(x, torch.tensor(r + 1.0))
+        print(out[:2].tolist())
+main()
+'''
+
+
+def test_the_calls_column_does_not_count_a_call_once_per_profiler_restart(_clean, capsys, tmp_path):
+    """main(), called once, showed one call per profiler restart it spanned (3 to 5 for
+    examples/decode_loop.py, changing between runs): the profiler reports a running call again
+    at each restart. Such a function's calls are shown '-' (helper 180)."""
+    from test_review22 import _explain_json
+
+    script = tmp_path / "spanning.py"
+    script.write_text(_SPANNING_SCRIPT)
+    rc, rep = _explain_json(capsys, str(script))
+    assert rc == 0
+    rows = [s for s in rep["sites"] if s.get("function") == "main"]
+    assert rows and all(s["count"] == 3 for s in rows), rows
+    assert all(s["calls"] in (None, 1) for s in rows), rows

@@ -201,6 +201,7 @@ class SyncCounts:
         self.notes: list[str] = []
         self._lock = threading.Lock()
         self._py_calls: collections.Counter = collections.Counter()
+        self._calls_spanning: set = set()  # code keys of calls that ran across a profiler restart
         self._active = False
 
     # context manager -----------------------------------------------------------------------
@@ -268,6 +269,8 @@ class SyncCounts:
                 continue
             filename, first, name = st._code_key
             if st._calls_unseen:  # a call the tracer may have missed (review 22: 3 of 4 shown)
+                continue
+            if st._code_key in self._calls_spanning:  # reported again at each restart it spans
                 continue
             if name == "<module>":  # top-level code: no calls to count (shown "-", as a read's there)
                 continue
@@ -367,6 +370,21 @@ def _is_internal_file(filename: str) -> bool:
 def is_own_file(filename: str) -> bool:
     """Is ``filename`` torchsync_pass's own code (its self-test probes included)?"""
     return filename.startswith(_OWN_DIR) or filename == dynamo_hooks.SELF_TEST_FILE
+
+
+def _open_frames() -> dict[int, Any]:
+    """The frames running in this thread now: id -> code (a frame lives while it runs, so an id
+    seen at a profiler stop and again at the restart, with the same code, is the same call)."""
+    out: dict[int, Any] = {}
+    frame = sys._getframe(1)
+    while frame is not None:
+        out[id(frame)] = frame.f_code
+        frame = frame.f_back
+    return out
+
+
+def _code_key(code: Any) -> tuple:
+    return (code.co_filename, code.co_firstlineno, code.co_name)
 
 
 def _user_frame(frame: Any) -> Any:
@@ -1254,6 +1272,15 @@ class _Session:
         if ok:
             self._prof = prof
             self.profiling = True
+            # A call running since before the last stop is reported again by the new session (as
+            # running): its function's calls would count it once per restart (review 23: main()
+            # called once showed 3 to 5 calls, one per profiler chunk). Such functions show '-'.
+            before = getattr(self, "_open_at_stop", None) or {}
+            spanning = {_code_key(code) for key, code in _open_frames().items() if before.get(key) is code}
+            if spanning:
+                for r in want:
+                    with r._lock:
+                        r._calls_spanning |= spanning
             self._chunk_end = time.monotonic() + self._chunk_s
             for r in want:
                 r.profiled = True
@@ -1268,6 +1295,7 @@ class _Session:
         self.profiling = False
         if prof is None:
             return
+        self._open_at_stop = _open_frames()
         # NOTE: Kineto runs one session: a torch.profiler.profile() entered and left inside the
         # counted code ends ours too, and what ours had recorded is gone
         cut = not _torch_private.profiler_enabled()
