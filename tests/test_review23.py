@@ -370,3 +370,103 @@ def test_the_calls_column_does_not_count_a_call_once_per_profiler_restart(_clean
     rows = [s for s in rep["sites"] if s.get("function") == "main"]
     assert rows and all(s["count"] == 3 for s in rows), rows
     assert all(s["calls"] in (None, 1) for s in rows), rows
+
+
+# --------------------------------------------------------------------------------------------
+# a look at the session's last commits (helper 181)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built in")
+def test_torchs_own_op_namespaces_stay_pure_while_a_process_group_is_up(_clean):
+    """quantized_decomposed (PT2E quantization's ops) was taken for a custom op of one's own while a
+    process group was up: its cone rejected, 5 reads where none are needed. A custom op of one's
+    own is still refused then, and hoisted again once the group is gone."""
+    import socket
+
+    import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers quantized_decomposed
+    import torch.distributed as dist
+
+    @torch.library.custom_op("review23::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @twice.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    def ours(x, w):
+        return x * torch.ops.quantized_decomposed.quantize_per_tensor(w, 0.1, 0, -128, 127, torch.int8).max().item()
+
+    def theirs(x, w):
+        return x * twice(w).max().item()
+
+    def actions(step) -> list:
+        torch._dynamo.reset()
+        torchsync_pass.reset()
+        f = torch.compile(step, backend="nosync", options={"codegen": "eager"})
+        w = torch.tensor([1.5, 3.0])
+        for i in range(3):
+            x = torch.full((3,), float(i))
+            assert torch.equal(f(x, w), step(x, w))
+        return [d.action.value for d in torchsync_pass.decisions()]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        assert actions(ours) == ["hoisted"]
+        assert actions(theirs) == ["rejected"]
+    finally:
+        dist.destroy_process_group()
+    assert actions(theirs) == ["hoisted"]
+
+
+_THREAD_SCRIPT = '''
+import threading, torch
+torch.set_num_threads(1)
+f = torch.compile(lambda x: x * 2, backend="nosync", options={"codegen": "eager"})
+def main():
+    for r in range(3):
+        th = threading.Thread(target=f, args=(torch.randn(r + 2, r + 2),))
+        th.start(); th.join()
+        v = torch.tensor(float(r)).item()
+main()
+'''
+
+_GUARD_NAMED_SCRIPT = """
+import torch
+torch.set_num_threads(1)
+ns = {}
+exec("def guard(mod, args, out):\\n    s = out.sum().item()\\n    return out\\n", ns)
+lin = torch.nn.Linear(2, 2)
+lin.register_forward_hook(ns["guard"])
+for _ in range(3):
+    lin(torch.ones(2))
+"""
+
+
+def test_a_call_spanning_a_restart_made_from_a_worker_thread_is_not_counted_per_restart(_clean, capsys, tmp_path):
+    """The profiler stopped in a worker thread (its compile) and restarted in the counting thread:
+    the stop recorded the worker's frames, so main(), called once, showed 3 calls."""
+    from test_review22 import _explain_json
+
+    script = tmp_path / "thread.py"
+    script.write_text(_THREAD_SCRIPT)
+    rc, rep = _explain_json(capsys, str(script))
+    assert rc == 0
+    rows = [s for s in rep["sites"] if s.get("function") == "main"]
+    assert rows and all(s["count"] == 3 and s["calls"] in (None, 1) for s in rows), rows
+
+
+def test_a_users_exec_d_function_named_guard_is_not_taken_for_dynamos_guard(_clean, capsys, tmp_path):
+    """Dynamo's generated guard frames are passed by the counter's walk ('<string>', named guard,
+    called from torch): a user's exec'd forward hook named guard, called from torch.nn, matched
+    too, and its read was counted at the model call's line, which reads nothing."""
+    from test_review22 import _explain_json
+
+    script = tmp_path / "hook.py"
+    script.write_text(_GUARD_NAMED_SCRIPT)
+    rc, rep = _explain_json(capsys, str(script))
+    assert rc == 0
+    files = {s["file"] for s in rep["sites"] if s.get("count")}
+    assert files == {"<string>"}, rep["sites"]

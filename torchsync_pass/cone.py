@@ -630,8 +630,12 @@ _COMM_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_c10d_func
 
 
 # torch's own op namespaces (their ops run no collective); any other is a custom op's
-_TORCH_NAMESPACES = frozenset({"aten", "prims", "prim", "rngprims", "quantized", "_quantized", "mkldnn",
-                               "_inductor_test", "inductor", "higher_order", "profiler", "debugprims"})
+_TORCH_NAMESPACES = frozenset({
+    "aten", "prims", "prim", "rngprims", "debugprims", "inductor_prims", "quantized", "_quantized",
+    "quantized_decomposed", "quantization", "mkldnn", "mkldnn_prepacked", "mkl", "onednn", "sparse",
+    "_native", "inductor", "_inductor_test", "higher_order", "profiler", "debug_mode_ops", "export",
+    "static_runtime", "_test",
+})
 
 
 def _process_group_up() -> bool:

@@ -372,11 +372,14 @@ def is_own_file(filename: str) -> bool:
     return filename.startswith(_OWN_DIR) or filename == dynamo_hooks.SELF_TEST_FILE
 
 
-def _open_frames() -> dict[int, Any]:
-    """The frames running in this thread now: id -> code (a frame lives while it runs, so an id
-    seen at a profiler stop and again at the restart, with the same code, is the same call)."""
+def _open_frames(thread: int) -> dict[int, Any]:
+    """The frames running in thread ``thread`` now (the counting thread, whichever thread stops the
+    profiler: a worker's compile; review 23): id -> code. Only ids: holding the frames would keep a
+    finished call's locals (tensors a guard sees freed) alive. A frame at the same id with the same
+    code at a stop and at the restart is taken for the same call; the next call of a function
+    whose frame ended between them can look so too, and its calls then show '-' as well."""
     out: dict[int, Any] = {}
-    frame = sys._getframe(1)
+    frame = sys._getframe(1) if thread == threading.get_ident() else sys._current_frames().get(thread)
     while frame is not None:
         out[id(frame)] = frame.f_code
         frame = frame.f_back
@@ -1276,7 +1279,8 @@ class _Session:
             # running): its function's calls would count it once per restart (review 23: main()
             # called once showed 3 to 5 calls, one per profiler chunk). Such functions show '-'.
             before = getattr(self, "_open_at_stop", None) or {}
-            spanning = {_code_key(code) for key, code in _open_frames().items() if before.get(key) is code}
+            spanning = {_code_key(code) for key, code in _open_frames(self._owner).items()
+                        if before.get(key) is code}
             if spanning:
                 for r in want:
                     with r._lock:
@@ -1295,7 +1299,7 @@ class _Session:
         self.profiling = False
         if prof is None:
             return
-        self._open_at_stop = _open_frames()
+        self._open_at_stop = _open_frames(self._owner)
         # NOTE: Kineto runs one session: a torch.profiler.profile() entered and left inside the
         # counted code ends ours too, and what ours had recorded is gone
         cut = not _torch_private.profiler_enabled()

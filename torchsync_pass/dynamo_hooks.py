@@ -2978,12 +2978,13 @@ GENERATED_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "<gene
 
 def is_dynamo_guard_frame(frame: Any) -> bool:
     """Is ``frame`` a guard function Dynamo generated (``exec``'d as ``<string>``, named ``guard``,
-    called from torch: torch 2.11's Python guard for a float argument reads a 0-d tensor there)?
+    called from Dynamo's code: torch 2.11's Python guard for a float argument reads a 0-d tensor
+    there; a user's exec'd hook named ``guard``, called from torch.nn, is not: review 23)?
     NOTE: Dynamo-internal naming; the sync counter passes such a frame like torch's own code."""
     code = frame.f_code
     back = frame.f_back
     return (code.co_filename == "<string>" and code.co_name == "guard" and back is not None
-            and back.f_code.co_filename.startswith(TORCH_DIR))
+            and back.f_code.co_filename.startswith(os.path.join(TORCH_DIR, "_dynamo", "")))
 
 
 def run_generated(source: str, env: dict) -> None:
