@@ -385,19 +385,13 @@ def test_torchs_own_op_namespaces_stay_pure_while_a_process_group_is_up(_clean):
     import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers quantized_decomposed
     import torch.distributed as dist
 
-    @torch.library.custom_op("review23::twice", mutates_args=())
-    def twice(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @twice.register_fake
-    def _(x):
-        return torch.empty_like(x)
+    from test_reliability import _triple  # a pure custom op of one's own namespace
 
     def ours(x, w):
         return x * torch.ops.quantized_decomposed.quantize_per_tensor(w, 0.1, 0, -128, 127, torch.int8).max().item()
 
     def theirs(x, w):
-        return x * twice(w).max().item()
+        return x * _triple(w).max().item()
 
     def actions(step) -> list:
         torch._dynamo.reset()
