@@ -646,7 +646,8 @@ def _process_group_up() -> bool:
         return False
 
 
-def _op_namespace(t: Any) -> Optional[str]:
+def op_namespace(t: Any) -> Optional[str]:
+    """The namespace of an op overload or packet (``aten``, ``mylib``), None for anything else."""
     if _torch_private.is_op_overload(t):
         return t.namespace
     if _torch_private.is_op_packet(t):
@@ -662,18 +663,19 @@ def _communicates(node: fx.Node) -> Optional[str]:
     collective of the other rank (review 23: stale values, wrong sums, hangs, gloo aborts). So
     is a Python function of torch.distributed kept in the graph, and any op on a DTensor (its
     dispatch may redistribute: ``w.full_tensor()``, a reduction of a sharded tensor)."""
-    t = node.target
-    ns = _op_namespace(t) if node.op == "call_function" else None
-    if ns in _COMM_NAMESPACES:
-        return f"collective {_target_name(node)} ({ns}): its value depends on other processes"
-    if ns is not None and ns not in _TORCH_NAMESPACES and _process_group_up():
-        # a registration cannot say that its kernel talks to other ranks (vLLM's and SGLang's
-        # tensor-parallel all_reduce is such a custom op: review 23, helper 180)
-        return (f"custom op {ns}::{_target_name(node)} while a torch.distributed process group is up: "
-                "its kernel may run a collective")
-    module = (getattr(t, "__module__", None) or "") if node.op == "call_function" else ""
-    if module == "torch.distributed" or module.startswith("torch.distributed."):
-        return f"{_target_name(node)} of {module}: it may talk to other processes"
+    if node.op == "call_function":
+        t = node.target
+        ns = op_namespace(t)
+        if ns in _COMM_NAMESPACES:
+            return f"collective {_target_name(node)} ({ns}): its value depends on other processes"
+        if ns is not None and ns not in _TORCH_NAMESPACES and _process_group_up():
+            # a registration cannot say that its kernel talks to other ranks (vLLM's and SGLang's
+            # tensor-parallel all_reduce is such a custom op: review 23, helper 180)
+            return (f"custom op {ns}::{_target_name(node)} while a torch.distributed process group is up: "
+                    "its kernel may run a collective")
+        module = getattr(t, "__module__", None) or ""
+        if module == "torch.distributed" or module.startswith("torch.distributed."):
+            return f"{_target_name(node)} of {module}: it may talk to other processes"
     dtensor = _dtensor_type()
     if dtensor is not None:
         values = [_torch_private.example_value(node)] + [_torch_private.example_value(a) for a in _nodes_in(

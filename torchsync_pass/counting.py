@@ -1128,6 +1128,7 @@ class _Session:
         self.resume_pending = False
         self._pending_since = 0.0  # when the profiler last stopped waiting for a safe point
         self._owner = 0  # the thread of the newest count still open: see resume
+        self._open_at_stop: dict[int, Any] = {}  # the owner's running frames at the last stop
         self._missed = False  # a safe point of another thread (or an unsafe one) came while paused
         self.active = False
         self.profiling = False
@@ -1278,7 +1279,7 @@ class _Session:
             # A call running since before the last stop is reported again by the new session (as
             # running): its function's calls would count it once per restart (review 23: main()
             # called once showed 3 to 5 calls, one per profiler chunk). Such functions show '-'.
-            before = getattr(self, "_open_at_stop", None) or {}
+            before = self._open_at_stop
             spanning = {_code_key(code) for key, code in _open_frames(self._owner).items()
                         if before.get(key) is code}
             if spanning:

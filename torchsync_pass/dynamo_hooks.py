@@ -929,11 +929,11 @@ def forget_guard_managers() -> None:
             fin.detach()
 
 
-# (number, compile id, reason) of the nosync guards Dynamo asked why they failed, during the
+# (number, compile id, resets of Dynamo so far, reason) of the nosync guards Dynamo asked why they failed, during the
 # compile that followed: Dynamo's compilation metrics keep only the first cache entry's reason
 # (review 23: after a thread-count entry, a hoisted value's change was reported as "GLOBAL_STATE
 # changed"). explain reads them (:func:`recompile_reasons`); bounded, the newest kept.
-_REASONS: "collections.deque[tuple[int, str, str]]" = collections.deque(maxlen=4096)
+_REASONS: "collections.deque[tuple[int, str, int, str]]" = collections.deque(maxlen=4096)
 _REASON_NUMBERS = itertools.count(1)
 
 
@@ -949,18 +949,17 @@ def failure_reason(group_id: int) -> str:
 
         cid = current_compile_id()
         if cid is not None:
-            _REASONS.append((next(_REASON_NUMBERS), _torch_private.qualified_compile_id(
-                cid, _torch_private.dynamo_resets()), reason))
+            _REASONS.append((next(_REASON_NUMBERS), cid, _torch_private.dynamo_resets(), reason))
     except Exception:
         pass
     return reason
 
 
-def recompile_reasons(after: int = 0) -> list[tuple[str, str]]:
-    """The nosync guard failures Dynamo asked about, ``(compile id of the recompile, reason)``,
-    recorded after the ``after``-th (:func:`recompile_reason_mark` before a run); the ids qualified
-    by the resets of Dynamo seen so far (:func:`_torch_private.qualified_compile_id`)."""
-    return [(cid, r) for n, cid, r in list(_REASONS) if n > after]
+def recompile_reasons(after: int = 0) -> list[tuple[str, int, str]]:
+    """The nosync guard failures Dynamo asked about, ``(compile id of the recompile, resets of
+    Dynamo before it, reason)``, recorded after the ``after``-th (:func:`recompile_reason_mark`
+    before a run)."""
+    return [(cid, resets, r) for n, cid, resets, r in list(_REASONS) if n > after]
 
 
 def recompile_reason_mark() -> int:

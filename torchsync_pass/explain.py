@@ -137,16 +137,6 @@ class _BreakHandler(logging.Handler):
             pass
 
 
-def _unqualified(cid: str) -> str:
-    return cid.partition(":")[2] if cid.startswith("r") and ":" in cid else cid
-
-
-def _resets_in(cid: str) -> int:
-    """The resets of Dynamo a qualified compile id counts (``r2:0/0``: 2)."""
-    head = cid.partition(":")[0]
-    return int(head[1:]) if cid.startswith("r") and ":" in cid and head[1:].isdigit() else 0
-
-
 def _first_para(reason: str) -> str:
     """The informative line of a break reason (Dynamo prefixes a generic 'Encountered ...')."""
     paras = [p.strip() for p in reason.strip().split("\n\n") if p.strip()]
@@ -204,9 +194,8 @@ class _CompileWatcher:
             lg.setLevel(saved[0])
             lg.propagate = saved[1]
             ours: dict[str, list[str]] = {}
-            for cid, reason in dynamo_hooks.recompile_reasons(mark):
-                ours.setdefault(_torch_private.qualified_compile_id(
-                    _unqualified(cid), _resets_in(cid) - self.resets0), []).append(reason)
+            for cid, resets, reason in dynamo_hooks.recompile_reasons(mark):
+                ours.setdefault(_torch_private.qualified_compile_id(cid, resets - self.resets0), []).append(reason)
             return _group(metrics.stop(), handler.breaks, ours)
 
         self._stop = stop

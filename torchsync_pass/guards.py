@@ -41,7 +41,7 @@ import torch
 
 from . import _torch_private, dynamo_hooks, names
 from .cone import (FREEZING_NOTE, FREEZING_WARNING, HOISTED_LEAF_META, WARNED_FROZEN, ConeResult,
-                   _autocast_devices, analyze_cone, cone_of, hidden_writes_to_hoisted, mark_hoisted,
+                   _autocast_devices, analyze_cone, cone_of, hidden_writes_to_hoisted, mark_hoisted, op_namespace,
                    state_region_of, storage_of, written_storages)
 from .errors import never_silent
 from .report import DECISIONS, Action, Decision, Reason, SiteKey, guard_site
@@ -315,9 +315,9 @@ _TORCH_NAMESPACES = (torch, torch.Tensor, torch.nn.functional, torch.special, to
 def _torch_own(t: Any, name: str) -> bool:
     """Is ``t`` torch's own op of that name (an aten op, ``torch.mul``, ``F.linear``, ...), not a
     custom op (``torch.ops.mylib.mul``) or a user function that happens to share the name?"""
-    if _torch_private.is_op_overload(t) or _torch_private.is_op_packet(t):
-        # an overload knows its namespace, a packet its qualified name (``aten::mul``)
-        return getattr(t, "namespace", None) == "aten" or str(getattr(t, "_qualified_op_name", "")).startswith("aten::")
+    ns = op_namespace(t)
+    if ns is not None:
+        return ns == "aten"
     return any(getattr(ns, name, None) is t for ns in _TORCH_NAMESPACES)
 
 
@@ -1335,7 +1335,7 @@ def _new_value_demotion(state: SiteState, cone: ConeState, result: ConeResult, l
     return None
 
 
-def _leaves_changed(spec: Spec, leaves: tuple, declared: tuple = ()) -> bool:
+def _leaves_changed(spec: Spec, leaves: tuple, declared: tuple) -> bool:
     """Were ``spec``'s leaves freed or written in place since it was specialised, or replaced by
     the next element of the same table? At least one undeclared leaf must have changed so (a
     declared one new is a new request, by the user's word: review 21); one alive and replaced by
@@ -1348,7 +1348,6 @@ def _leaves_changed(spec: Spec, leaves: tuple, declared: tuple = ()) -> bool:
     if not spec.leaf_refs:
         return False
     freed_or_written = next_element = kept = False
-    declared = declared or (False,) * len(leaves)
     if any(ref() is not None and ref() is not cur for ref, cur in zip(spec.leaf_refs, leaves)):
         # NOTE: a tensor dropped by the caller can still sit in a reference cycle (Dynamo's
         # frame state); collect once so "freed" means freed. Only reached on a recompile.
